@@ -1,0 +1,76 @@
+"""Memory reports: bytes by category, estimated beside measured, as text and JSON.
+
+Bytes internally; printed in binary units with the unit named (GiB = 2^30 bytes).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from memfit.memory.tracker import CATEGORIES
+
+_UNITS = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def format_bytes(n: int | float | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in _UNITS:
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{int(n):,} B"
+
+
+def parse_bytes(text: str) -> int:
+    """'24GiB', '24 GB', '512MiB', '1e9' -> bytes. GB/MB are decimal, GiB/MiB binary."""
+    import re
+
+    match = re.fullmatch(r"\s*([0-9.eE+]+)\s*([KMGT]i?B|B)?\s*", str(text))
+    if not match:
+        raise ValueError(f"cannot read '{text}' as a size; use e.g. 24GiB, 80GB or 512MiB")
+    number, unit = float(match.group(1)), (match.group(2) or "B")
+    powers = {"K": 1, "M": 2, "G": 3, "T": 4}
+    if unit == "B":
+        return int(number)
+    base = 1024 if unit.endswith("iB") else 1000
+    return int(number * base ** powers[unit[0]])
+
+
+@dataclass
+class MemoryReport:
+    """Peak memory of a run. `measured_*` come from the tracker (and CUDA on GPU), `estimated_*`
+    from the planner when one was made."""
+
+    measured_peak_bytes: int = 0
+    measured_by_category: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    estimated_peak_bytes: int | None = None
+    estimated_by_category: dict[str, int] | None = None
+    cuda_max_allocated_bytes: int | None = None
+    cuda_max_reserved_bytes: int | None = None
+    process_peak_rss_bytes: int | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+    def to_text(self) -> str:
+        with_estimate = self.estimated_by_category is not None
+        header = f"{'category':<18}{'measured':>14}" + (f"{'estimated':>14}{'error':>9}" if with_estimate else "")
+        lines = ["Peak memory by category (tensor storage bytes at the step's peak)", header, "-" * len(header)]
+        rows = [(c, self.measured_by_category.get(c, 0), (self.estimated_by_category or {}).get(c)) for c in CATEGORIES]
+        rows.append(("total (peak)", self.measured_peak_bytes, self.estimated_peak_bytes))
+        for name, measured, estimated in rows:
+            line = f"{name:<18}{format_bytes(measured):>14}"
+            if with_estimate:
+                error = f"{(estimated - measured) / measured:+.1%}" if measured and estimated is not None else "-"
+                line += f"{format_bytes(estimated):>14}{error:>9}"
+            lines.append(line)
+        if self.cuda_max_allocated_bytes is not None:
+            lines.append(f"torch.cuda.max_memory_allocated: {format_bytes(self.cuda_max_allocated_bytes)}")
+            lines.append(f"torch.cuda.max_memory_reserved:  {format_bytes(self.cuda_max_reserved_bytes)}")
+        if self.process_peak_rss_bytes is not None:
+            lines.append(f"process peak RSS (whole process, incl. Python and libraries): "
+                         f"{format_bytes(self.process_peak_rss_bytes)}")
+        lines.extend(self.notes)
+        return "\n".join(lines)

@@ -1,0 +1,198 @@
+"""MemoryTracker: exact, per-category accounting of tensor storage bytes.
+
+A `TorchDispatchMode` sees the output of every aten op. Each new storage it sees is recorded
+with its size and a category, and a weak reference tells us when the storage is freed. The
+same code runs on real tensors (the "measured" side on CPU) and under `FakeTensorMode` (the
+planner's traced estimate), so estimate and measurement share one bookkeeping.
+
+Categories:
+  weights           parameters and buffers (registered with `tag` before the step)
+  gradients         `.grad` storages (tagged after backward)
+  optimizer_states  everything in `optimizer.state` (tagged after the step)
+  activations       storages allocated in the forward pass that outlive it (saved for backward)
+  temporaries       everything else: forward intermediates freed inside the forward, backward
+                    intermediates (including checkpoint recomputation), optimizer scratch
+
+Tags can change after allocation (a forward intermediate turns out to be freed before the
+forward ends; a backward allocation turns out to be a gradient). The per-category peak is
+therefore computed from the set of storages alive at the peak, read with their final tags.
+
+The tracker only knows storages created while it is active or registered with `tag`; tensors
+made earlier (a data batch, say) are invisible until tagged.
+"""
+
+from __future__ import annotations
+
+import weakref
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+CATEGORIES = ("weights", "gradients", "optimizer_states", "activations", "temporaries")
+_PHASE_DEFAULT = {"forward": "activations", "backward": "temporaries", "optimizer": "temporaries", None: "temporaries"}
+
+
+class _Block:
+    """One tracked storage. Kept (dead) after free only while a peak snapshot refers to it."""
+
+    __slots__ = ("nbytes", "category", "phase")
+
+    def __init__(self, nbytes: int, category: str, phase: str | None):
+        self.nbytes, self.category, self.phase = nbytes, category, phase
+
+
+def storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
+    """The storages behind a tensor; wrapper subclasses (NF4, 8-bit states) are flattened."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        for name in names:
+            yield from storages(getattr(tensor, name))
+        return
+    if tensor.layout != torch.strided:
+        return
+    try:
+        yield tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):  # e.g. functional tensors without storage
+        return
+
+
+def _tensors(obj) -> Iterator[torch.Tensor]:
+    for leaf in tree_leaves(obj):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf
+
+
+class MemoryTracker(TorchDispatchMode):
+    """Use as a context manager around the code to measure; query bytes afterwards."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[weakref.ref, _Block]] = {}
+        self._phase: str | None = None
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._peak_blocks: list[_Block] = []
+        self._peak_pending = False  # the live set is the peak but has not been copied yet
+
+    # --- recording -------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        category = _PHASE_DEFAULT[self._phase]
+        for tensor in _tensors(out):
+            for storage in storages(tensor):
+                self._record(storage, category)
+        return out
+
+    def _record(self, storage: torch.UntypedStorage, category: str) -> _Block:
+        key = id(storage)
+        entry = self._live.get(key)
+        if entry is not None and entry[0]() is storage:
+            block = entry[1]
+            grown = storage.nbytes() - block.nbytes  # resize_ (e.g. FSDP freeing a shard)
+            if grown:
+                block.nbytes += grown
+                self._add(grown)
+            return block
+        block = _Block(storage.nbytes(), category, self._phase)
+        self._live[key] = (weakref.ref(storage, lambda _, k=key, b=block: self._free(k, b)), block)
+        self._add(block.nbytes)
+        return block
+
+    def _add(self, nbytes: int) -> None:
+        if nbytes < 0:
+            self._snapshot_if_pending()
+        self.current_bytes += nbytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+            self._peak_pending = True
+
+    def _free(self, key: int, block: _Block) -> None:
+        if self._live.get(key, (None, None))[1] is not block:
+            return
+        self._snapshot_if_pending()
+        del self._live[key]
+        self.current_bytes -= block.nbytes
+        # A forward allocation that dies inside the forward was never an activation.
+        if self._phase == "forward" and block.phase == "forward" and block.category == "activations":
+            block.category = "temporaries"
+
+    def _snapshot_if_pending(self) -> None:
+        if self._peak_pending:
+            self._peak_blocks = [block for _, block in self._live.values()]
+            self._peak_pending = False
+
+    # --- control ---------------------------------------------------------------------------
+    @contextmanager
+    def phase(self, name: str):
+        """Mark allocations as belonging to 'forward', 'backward' or 'optimizer'."""
+        previous, self._phase = self._phase, name
+        try:
+            yield self
+        finally:
+            self._phase = previous
+
+    def tag(self, tensors: Iterable[torch.Tensor], category: str) -> None:
+        """Record pre-existing tensors, or re-label tracked ones (grads, optimizer states)."""
+        assert category in CATEGORIES, category
+        for tensor in tensors:
+            if tensor is None:
+                continue
+            for storage in storages(tensor):
+                self._record(storage, category).category = category
+
+    def tag_module(self, module: torch.nn.Module) -> None:
+        self.tag(module.parameters(), "weights")
+        self.tag(module.buffers(), "weights")
+
+    def tag_gradients(self, params: Iterable[torch.Tensor]) -> None:
+        self.tag((p.grad for p in params), "gradients")
+
+    def tag_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        self.tag(_tensors([dict(s) for s in optimizer.state.values()]), "optimizer_states")
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.current_bytes
+        self._peak_pending = True
+
+    # --- reading ---------------------------------------------------------------------------
+    def _sum(self, blocks: Iterable[_Block]) -> dict[str, int]:
+        totals = dict.fromkeys(CATEGORIES, 0)
+        for block in blocks:
+            totals[block.category] += block.nbytes
+        return totals
+
+    def current_by_category(self) -> dict[str, int]:
+        return self._sum(block for _, block in self._live.values())
+
+    def peak_by_category(self) -> dict[str, int]:
+        self._snapshot_if_pending()
+        return self._sum(self._peak_blocks)
+
+
+class NullTracker:
+    """Stands in when tracking is off, so the training loop needs no `if`s."""
+
+    current_bytes = peak_bytes = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    @contextmanager
+    def phase(self, name: str):
+        yield self
+
+    def tag(self, tensors, category):
+        pass
+
+    tag_gradients = tag_optimizer = tag_module = reset_peak = lambda self, *a: None
+
+    def current_by_category(self) -> dict[str, int]:
+        return dict.fromkeys(CATEGORIES, 0)
+
+    peak_by_category = current_by_category
