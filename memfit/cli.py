@@ -31,7 +31,11 @@ def cmd_train(args) -> int:
 
     cfg = load_config(args.config, args.overrides)
     result = train(cfg, progress=not args.no_progress)
-    _print_summary(result)
+    if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 prints
+        _print_summary(result)
+    from memfit.distributed.launch import exit_process
+
+    exit_process(0)  # torchrun ranks end with os._exit after the teardown (DESIGN.md); no-op otherwise
     return 0
 
 
@@ -45,6 +49,46 @@ def cmd_demo(args) -> int:
           f"({cfg.precision}, optimizer {cfg.optimizer}, checkpointing {cfg.checkpointing})")
     result = train(cfg, progress=not args.no_progress)
     _print_summary(result)
+    return 0
+
+
+def cmd_data_prepare(args) -> int:
+    from memfit.config import load_config
+    from memfit.data.prepare import prepare_dataset
+    from memfit.models.loading import load_tokenizer
+
+    cfg = load_config(args.config, args.overrides)
+    out = args.out or cfg.data.prepared_dir
+    if not out:
+        raise MemfitError("memfit data prepare: set data.prepared_dir in the config (or pass --out DIR)")
+    report = prepare_dataset(cfg, load_tokenizer(cfg.model), out, overwrite=args.overwrite, progress=not args.no_progress)
+    print(report.to_text())
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from memfit.benchmark import VARIANTS, run_bench, save_results, to_table
+    from memfit.config import apply_overrides
+
+    if args.list:
+        print("\n".join(f"{name:<28}{overrides}" for name, overrides in VARIANTS.items()))
+        return 0
+    extra = apply_overrides({}, args.overrides)
+    rows = run_bench(args.model, args.steps, args.seq_len, args.micro_batch, args.variants, extra)
+    title = (f"memfit bench {args.model}: {args.steps} steps, micro_batch {args.micro_batch} x seq_len {args.seq_len}"
+             + (f", {' '.join(args.overrides)}" if args.overrides else ""))
+    print(title)
+    print(to_table(rows))
+    text, data, chart = save_results(rows, args.out, title)
+    print(f"results in {text}, {data}, chart {chart}")
+    return 0
+
+
+def cmd_merge(args) -> int:
+    from memfit.models.merge import merge_run
+
+    output = merge_run(args.run_dir, args.output, overwrite=args.overwrite)
+    print(f"merged model (base + adapters, safetensors) written to {output}/")
     return 0
 
 
@@ -85,14 +129,48 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=cmd_demo)
 
+    bench = sub.add_parser("bench", help="measure peak memory and step time of each strategy on this machine")
+    bench.add_argument("model", nargs="?", default="memfit/tiny-llama", help="model name, preset or local folder")
+    bench.add_argument("overrides", nargs="*", help="dotted overrides for every variant, e.g. data.path=my.jsonl")
+    bench.add_argument("--steps", type=int, default=4, help="optimizer steps per variant (default 4)")
+    bench.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
+    bench.add_argument("--micro-batch", type=int, default=4, help="sequences per step (default 4)")
+    bench.add_argument("--variants", nargs="+", help="only these variants (see --list); baseline always runs")
+    bench.add_argument("--list", action="store_true", help="list the variants and exit")
+    bench.add_argument("--out", default="runs/bench", help="folder for bench.txt, bench.json, bench.png")
+    bench.set_defaults(func=cmd_bench)
+
+    merge = sub.add_parser("merge", help="merge a LoRA/QLoRA run's adapters into its base: a full safetensors model")
+    merge.add_argument("run_dir", help="output_dir of a method: lora or qlora run")
+    merge.add_argument("--output", help="folder for the merged model (default: RUN_DIR/merged)")
+    merge.add_argument("--overwrite", action="store_true", help="replace a model already in the output folder")
+    merge.set_defaults(func=cmd_merge)
+
     presets = sub.add_parser("presets", help="list the model presets usable offline")
     presets.set_defaults(func=cmd_presets)
+
+    data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
+    prepare = data.add_parser("prepare", help="tokenize data.path with data.num_workers processes into "
+                                              "memory-mapped Arrow at data.prepared_dir (memfit train reuses it)")
+    prepare.add_argument("config", help="RunConfig YAML file")
+    prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.num_workers=4 packing=true")
+    prepare.add_argument("--out", help="output folder (default: data.prepared_dir)")
+    prepare.add_argument("--overwrite", action="store_true", help="replace an existing prepared folder")
+    prepare.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prepare.set_defaults(func=cmd_data_prepare)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # Overrides (key=value) may come after flags too: collect any stragglers argparse left over.
+    args, extra = parser.parse_known_args(argv)
+    stray = [item for item in extra if "=" not in item or item.startswith("-")]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     _quiet_libraries()
     try:
@@ -100,8 +178,9 @@ def main(argv: list[str] | None = None) -> int:
     except MemfitError as exc:
         if args.verbose:
             raise
-        print(f"memfit: error: {exc}", file=sys.stderr)
-        return 2
+        # A requested stop (SIGTERM/SIGINT, checkpoint saved) is not an error and exits 128 + signal.
+        print(f"memfit: {'stopped' if hasattr(exc, 'exit_status') else 'error'}: {exc}", file=sys.stderr)
+        return getattr(exc, "exit_status", 2)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from typing import Any, Literal, Union
 
 import yaml
 from memfit.errors import MemfitError
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]
 Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion", "lion-8bit", "sgd"]
@@ -47,6 +47,22 @@ class DataConfig(_Section):
     format: Literal["auto", "text", "alpaca", "chat"] = Field("auto", description="How records become prompt/response text.")
     train_on_prompt: bool = Field(False, description="Also compute loss on prompt tokens (default: response only).")
     limit: int | None = Field(None, ge=1, description="Use only the first N records (quick experiments).")
+    split: str = Field("train", description="Split to read when `path` is a Hugging Face dataset id (`org/name` or `hf:name`).")
+    fields: dict[str, str] = Field(default_factory=dict, description=(
+        "Rename your columns to memfit's: memfit name -> your name, e.g. {instruction: question, output: answer}; "
+        "names: text, instruction, input, output, messages, conversations."))
+    streaming: bool = Field(False, description="Read and tokenize the raw files on the fly while training (flat RAM, "
+                                               "for corpora larger than RAM or disk cache) instead of loading them whole.")
+    prepared_dir: str | None = Field(None, description="Folder of memory-mapped Arrow written by `memfit data prepare`; "
+                                                       "`memfit train` reads it instead of `path` when set.")
+    num_workers: int = Field(0, ge=0, description="Worker processes that tokenize (prepare, streaming) or collate "
+                                                  "batches (DataLoader); 0 = in the main process.")
+    prefetch_factor: int = Field(2, ge=1, description="Batches (or record chunks when streaming) each worker keeps ready.")
+    skip_bad_records: bool = Field(False, description="Skip malformed records (counted and reported) instead of "
+                                                      "stopping at the first with its file and line.")
+    shuffle_buffer: int = Field(10_000, ge=0, description="Streaming: examples held to shuffle within (0 = file order).")
+    group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding; "
+                                                     "sorted within windows of 64 micro-batches).")
 
 
 class LoraConfig(_Section):
@@ -55,6 +71,10 @@ class LoraConfig(_Section):
     dropout: float = Field(0.0, ge=0, lt=1, description="Dropout on the LoRA input.")
     targets: Union[list[str], Literal["all-linear"]] = Field(
         default_factory=lambda: ["q_proj", "v_proj"], description="Module names to adapt, or `all-linear`.")
+    use_dora: bool = Field(False, description="DoRA: also learn a per-output magnitude (weight-decomposed LoRA).")
+    use_rslora: bool = Field(False, description="rsLoRA: scale adapters by alpha / sqrt(r) instead of alpha / r.")
+    train_embeddings: bool = Field(False, description="Also train the input embeddings in full (peft modules_to_save).")
+    train_lm_head: bool = Field(False, description="Also train the output head in full (peft modules_to_save).")
 
 
 class RunConfig(_Section):
@@ -71,10 +91,25 @@ class RunConfig(_Section):
         "auto", description="Backend for 8-bit optimizers; auto = bitsandbytes, else torchao.")
     attention: Attention = Field("sdpa", description="Attention kernel: eager, sdpa, or flash (flash-attn package).")
     lora: LoraConfig = Field(default_factory=LoraConfig)
+    # Quantized base weights (issue 5); combinations are checked in memfit/strategies/quantization.py.
+    quant: Literal["none", "nf4", "nf4-dq", "fp4", "int8"] = Field(
+        "none", description="Base-weight quantization under LoRA: 4-bit nf4 / fp4, nf4-dq (double-quantized scales), "
+                            "or int8. method: qlora defaults to nf4-dq.")
+    quant_backend: Literal["auto", "bitsandbytes", "torchao"] = Field(
+        "auto", description="Who quantizes: auto = bitsandbytes, else torchao NF4 (the portable path).")
+    compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto", description="dtype quantized weights are dequantized to for matmuls; auto follows precision.")
+    merge: bool = Field(False, description="After training, also write the base with the adapters merged in "
+                                           "(full safetensors model in the base dtype) to output_dir/merged.")
 
-    micro_batch: int = Field(4, ge=1, description="Sequences per forward/backward pass.")
+    micro_batch: Union[int, Literal["auto"]] = Field(
+        4, description="Sequences per forward/backward pass, or `auto`: the largest that fits (planner; memory_budget "
+                       "when set, else the device's memory). On a real out-of-memory error training halves it and "
+                       "doubles grad_accum (same effective batch) and redoes the step.")
     grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
     seq_len: int = Field(256, ge=8, description="Maximum tokens per sequence (longer examples are truncated).")
+    packing: bool = Field(False, description="Pack several examples into each seq_len sequence (position ids restart "
+                                             "per example, so attention and loss never cross one).")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0)
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps before the schedule.")
@@ -85,6 +120,40 @@ class RunConfig(_Section):
     log_every: int = Field(10, ge=1, description="Write metrics every N steps.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
     track_memory: bool = Field(True, description="Measure memory by category with memfit's tracker.")
+    budget: str | None = Field(None, description="GPU memory budget for `memfit plan`'s choice before training: null "
+                                                 "(train as configured), auto (the free memory of the device) or a size "
+                                                 "like 24GiB; the planner picks the fastest setup that fits.")
+
+    # Beyond the basics (issue 7): memfit/strategies/{loss,optimizer_in_backward,activation_offload}.py, train/oom.py.
+    chunked_loss: bool = Field(False, description="Cross-entropy over chunks of tokens with recomputation: the full "
+                                                  "[tokens x vocab] fp32 logits never exist (same loss and gradients).")
+    optimizer_in_backward: bool = Field(False, description="Update each parameter as soon as its gradient is ready and "
+                                                           "free that gradient; needs grad_accum: 1, max_grad_norm: null.")
+    activation_offload: bool = Field(False, description="Keep tensors saved for backward in pinned CPU memory (CUDA "
+                                                        "runs; a no-op on CPU). Same gradients, slower steps.")
+    memory_budget: str | None = Field(None, description="Tracked-memory ceiling, e.g. 512MiB or 20GB: a step that goes "
+                                                        "above it fails with out-of-memory as a full GPU would (tests "
+                                                        "OOM recovery on CPU), and micro_batch: auto fits under it.")
+
+    # Reliability (issue 8): checkpoints, resume, non-finite steps; see memfit/train/checkpoint.py.
+    save_every: int = Field(100, ge=0, description="Write a resumable checkpoint every N optimizer steps "
+                                                   "(0: only when stopped by SIGTERM/SIGINT).")
+    keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
+    resume: bool = Field(False, description="Continue the run in output_dir from its last good checkpoint "
+                                            "(reuses output_dir; starts from step 0 if it has none).")
+    max_nonfinite_steps: int = Field(10, ge=1, description="Stop after this many steps in a row with a non-finite "
+                                                           "loss or gradient (each such step is skipped).")
+
+    # Scale-out (issue 6): PyTorch's own engines; combinations are checked in memfit/distributed/validate.py.
+    sharding: Literal["none", "ddp", "zero1", "zero2", "zero3"] = Field(
+        "none", description="Data-parallel engine under torchrun: ddp; zero1 (ZeroRedundancyOptimizer: optimizer "
+                            "states sharded); zero2 (FSDP2, + gradients); zero3 (FSDP2, + parameters).")
+    offload: Literal["none", "optimizer", "params", "all"] = Field(
+        "none", description="CPU offload with zero2/zero3 (FSDP2 CPUOffloadPolicy moves parameters, gradients and "
+                            "the optimizer step together, so params and all are the same there).")
+    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel degree K for Llama-family blocks (DTensor).")
+    pipeline_parallel: int = Field(1, ge=1, description="Pipeline stages S (torch.distributed.pipelining, GPipe; "
+                                                         "grad_accum micro-batches per step).")
 
     @field_validator("checkpointing")
     @classmethod
@@ -92,6 +161,47 @@ class RunConfig(_Section):
         if not _CHECKPOINTING.match(value):
             raise ValueError("must be 'none', 'full' or 'every-N' with N >= 1 (e.g. 'every-2')")
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _qlora_default_quant(cls, value: Any) -> Any:
+        """method: qlora without a quant setting means QLoRA's own choice, NF4 with double quantization."""
+        if isinstance(value, dict) and value.get("method") == "qlora" and "quant" not in value:
+            value = {**value, "quant": "nf4-dq"}
+        return value
+
+    @field_validator("micro_batch", mode="before")
+    @classmethod
+    def _micro_batch_form(cls, value: Any) -> Any:
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
+            return value
+        raise ValueError("must be an integer >= 1 or 'auto'")
+
+    @field_validator("budget")
+    @classmethod
+    def _planner_budget_form(cls, value: str | None) -> str | None:
+        if value is not None and value != "auto":
+            from memfit.memory.report import parse_bytes
+
+            if parse_bytes(value) <= 0:  # parse_bytes' own ValueError says how to write a size
+                raise ValueError("must be null, 'auto' or a positive size, e.g. 24GiB")
+        return value
+
+    @field_validator("memory_budget")
+    @classmethod
+    def _budget_form(cls, value: str | None) -> str | None:
+        if value is not None:
+            from memfit.memory.report import parse_bytes
+
+            if parse_bytes(value) <= 0:  # parse_bytes' own ValueError says how to write a size
+                raise ValueError("must be a positive size, e.g. 512MiB")
+        return value
+
+    @property
+    def memory_budget_bytes(self) -> int | None:
+        from memfit.memory.report import parse_bytes
+
+        return None if self.memory_budget is None else parse_bytes(self.memory_budget)
 
     @field_validator("model", mode="before")
     @classmethod
@@ -170,7 +280,7 @@ def build_config(raw: dict, source: str = "config") -> RunConfig:
     if not isinstance(raw, dict):
         raise ConfigError([f"top level must be a mapping of keys to values, got {type(raw).__name__}"], source)
     try:
-        return RunConfig.model_validate(raw)
+        cfg = RunConfig.model_validate(raw)
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
@@ -179,6 +289,16 @@ def build_config(raw: dict, source: str = "config") -> RunConfig:
                 text += _unknown_field_hint(err["loc"], RunConfig)
             problems.append(text)
         raise ConfigError(problems, source) from None
+    from memfit.distributed.validate import config_problems  # field combinations (sharding, offload, tp, pp)
+
+    from memfit.strategies.quantization import quant_problems  # method / quant / merge combinations
+
+    from memfit.strategies.optimizer_in_backward import in_backward_problems  # grad_accum / clipping / fp16
+
+    problems = config_problems(cfg) + quant_problems(cfg) + in_backward_problems(cfg)
+    if problems:
+        raise ConfigError(problems, source)
+    return cfg
 
 
 def read_yaml(path: str | Path) -> dict:

@@ -1,82 +1,125 @@
-"""Read records from files and render them as (prompt, response) text.
+"""Render a record as text segments, each marked trainable (carries loss) or not.
 
-Every record carries its location ("file:line") so a bad one can be reported precisely.
+Formats:
+- `text`: `{"text": ...}`; all of it is trainable.
+- `alpaca`: `{"instruction", "input" (optional), "output"}`; the prompt (ALPACA_PROMPT) is masked,
+  the output is trainable.
+- `chat`: `{"messages": [{"role", "content"}, ...]}`, or ShareGPT `{"conversations": [{"from",
+  "value"}, ...]}` (mapped: human->user, gpt->assistant). Rendered with the tokenizer's chat
+  template, or memfit's built-in `CHAT_TEMPLATE` when the tokenizer has none; every assistant
+  turn is trainable (multi-turn), everything else is masked.
+
+Field names can be remapped (`data.fields: {instruction: question, output: answer}`): keys are
+memfit's names, values the names in your data.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-from typing import Iterator
-
-from memfit.errors import MemfitError
+from memfit.data.sources import DataError
 
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "chatgpt": "assistant", "bard": "assistant", "system": "system", "tool": "tool"}
+FORMATS = ("auto", "text", "alpaca", "chat")
+
+Segment = tuple[str, bool]  # (text, trainable)
 
 
-class DataError(MemfitError):
-    """A record or file that cannot be used; the message names file and line."""
-
-
-def resolve_path(path: str) -> Path:
-    if path == "builtin:demo":
-        from memfit.data.demo import DEMO_PATH
-
-        return DEMO_PATH
-    resolved = Path(path).expanduser()
-    if not resolved.exists():
-        raise DataError(f"data.path: {path} does not exist")
-    return resolved
-
-
-def read_jsonl(path: Path) -> Iterator[tuple[str, dict]]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DataError(f"{where}: not valid JSON ({exc.msg} at column {exc.colno})") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: expected a JSON object, got {type(record).__name__}")
-            yield where, record
+def remap_fields(record: dict, fields: dict[str, str]) -> dict:
+    """Rename the user's columns to memfit's names (`fields` maps memfit name -> user's name)."""
+    if not fields:
+        return record
+    record = dict(record)
+    for ours, theirs in fields.items():
+        if theirs in record:
+            record[ours] = record.pop(theirs)
+    return record
 
 
 def detect_format(record: dict) -> str:
-    if "messages" in record:
+    if "messages" in record or "conversations" in record:
         return "chat"
     if "instruction" in record and "output" in record:
         return "alpaca"
     if "text" in record:
         return "text"
     raise DataError(f"cannot tell the format from fields {sorted(record)}: expected 'text', "
-                    "'instruction'+'output', or 'messages'; or set data.format")
+                    "'instruction'+'output', 'messages' or 'conversations'; set data.format, "
+                    "or map your field names with data.fields")
 
 
-def render(record: dict, fmt: str, tokenizer, where: str) -> tuple[str, str]:
-    """(prompt, response). Loss goes on the response; plain text is all response."""
+def chat_messages(record: dict) -> list[dict]:
+    """`messages` (role/content) or ShareGPT `conversations` (from/value) -> role/content dicts."""
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
+                                                     for m in messages):
+            raise DataError("'messages' must be a list of objects with 'role' and 'content'")
+        return messages
+    turns = record["conversations"]
+    if not isinstance(turns, list) or not all(isinstance(t, dict) and "from" in t and "value" in t for t in turns):
+        raise DataError("'conversations' must be a list of objects with 'from' and 'value' (ShareGPT)")
+    messages = []
+    for turn in turns:
+        role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
+        if role is None:
+            raise DataError(f"unknown ShareGPT speaker '{turn['from']}'; known: {', '.join(SHAREGPT_ROLES)}")
+        messages.append({"role": role, "content": turn["value"]})
+    return messages
+
+
+def _chat_template(tokenizer) -> str | None:
+    """None = use the tokenizer's own; else memfit's documented built-in template."""
+    from memfit.models.tokenizer import CHAT_TEMPLATE
+
+    return None if getattr(tokenizer, "chat_template", None) else CHAT_TEMPLATE
+
+
+def render_chat(messages: list[dict], tokenizer) -> list[Segment]:
+    """Render incrementally so each assistant turn's text is known exactly: the text the template
+    adds for turn i is trainable when turn i is the assistant's, masked otherwise."""
+    if not any(m["role"] == "assistant" for m in messages):
+        raise DataError("the conversation has no assistant message to learn from")
+    template = _chat_template(tokenizer)
+
+    def text(upto: int, generation_prompt: bool) -> str:
+        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, chat_template=template,
+                                             add_generation_prompt=generation_prompt)
+
+    segments: list[Segment] = []
+    done = ""
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt, full = text(i, True), text(i + 1, False)
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            raise DataError("the chat template does not render the conversation turn by turn "
+                            "(an earlier turn's text changes when a later one is added)")
+        segments += [(prompt[len(done):], False), (full[len(prompt):], True)]
+        done = full
+    rest = text(len(messages), False)[len(done):]  # turns after the last assistant reply
+    if rest:
+        segments.append((rest, False))
+    return [s for s in segments if s[0]]
+
+
+def render_segments(record: dict, fmt: str, tokenizer) -> tuple[list[Segment], bool]:
+    """-> (segments, templated). `templated` = the text already holds the special tokens (chat
+    templates add them), so the encoder must not add BOS/EOS itself."""
+    if fmt == "auto":
+        fmt = detect_format(record)
     try:
-        if fmt == "auto":
-            fmt = detect_format(record)
         if fmt == "text":
-            return "", str(record["text"])
+            return [(str(record["text"]), True)], False
         if fmt == "alpaca":
             template = ALPACA_PROMPT if record.get("input") else ALPACA_PROMPT_NO_INPUT
-            return template.format(instruction=record["instruction"], input=record.get("input", "")), str(record["output"])
+            prompt = template.format(instruction=record["instruction"], input=record.get("input") or "")
+            return [(prompt, False), (str(record["output"]), True)], False
         if fmt == "chat":
-            messages = record["messages"]
-            if not messages or messages[-1].get("role") != "assistant":
-                raise DataError("the last message must be the assistant's")
-            prompt = tokenizer.apply_chat_template(messages[:-1], tokenize=False, add_generation_prompt=True)
-            full = tokenizer.apply_chat_template(messages, tokenize=False)
-            if not full.startswith(prompt):
-                raise DataError("chat template does not render the conversation as prompt + reply")
-            return prompt, full[len(prompt):]
+            if "messages" not in record and "conversations" not in record:
+                raise KeyError("messages")
+            return render_chat(chat_messages(record), tokenizer), True
     except KeyError as exc:
-        raise DataError(f"{where}: missing field {exc} for format '{fmt}'") from None
-    except DataError as exc:
-        raise DataError(f"{where}: {exc}") from None
-    raise DataError(f"{where}: unknown format '{fmt}'")
+        raise DataError(f"missing field {exc} for format '{fmt}'") from None
+    raise DataError(f"unknown format '{fmt}'; known: {', '.join(FORMATS)}")

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import weakref
 from contextlib import contextmanager
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -49,7 +49,9 @@ def storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
         for name in names:
-            yield from storages(getattr(tensor, name))
+            inner = getattr(tensor, name)
+            if isinstance(inner, torch.Tensor):  # DTensor also flattens its (tensor-less) device_mesh
+                yield from storages(inner)
         return
     if tensor.layout != torch.strided:
         return
@@ -68,8 +70,11 @@ def _tensors(obj) -> Iterator[torch.Tensor]:
 class MemoryTracker(TorchDispatchMode):
     """Use as a context manager around the code to measure; query bytes afterwards."""
 
-    def __init__(self) -> None:
+    def __init__(self, size_fn: Callable[[int], int] | None = None) -> None:
+        """`size_fn` maps a storage's bytes to the bytes the device's allocator really hands out
+        (the CUDA caching allocator rounds every block up to 512 B); default: the bytes as they are."""
         super().__init__()
+        self._size = size_fn or (lambda nbytes: nbytes)
         self._live: dict[int, tuple[weakref.ref, _Block]] = {}
         self._phase: str | None = None
         self.current_bytes = 0
@@ -91,12 +96,12 @@ class MemoryTracker(TorchDispatchMode):
         entry = self._live.get(key)
         if entry is not None and entry[0]() is storage:
             block = entry[1]
-            grown = storage.nbytes() - block.nbytes  # resize_ (e.g. FSDP freeing a shard)
+            grown = self._size(storage.nbytes()) - block.nbytes  # resize_ (e.g. FSDP freeing a shard)
             if grown:
                 block.nbytes += grown
                 self._add(grown)
             return block
-        block = _Block(storage.nbytes(), category, self._phase)
+        block = _Block(self._size(storage.nbytes()), category, self._phase)
         self._live[key] = (weakref.ref(storage, lambda _, k=key, b=block: self._free(k, b)), block)
         self._add(block.nbytes)
         return block

@@ -51,19 +51,25 @@ def load_model_config(spec: ModelConfig) -> tuple[PretrainedConfig, str]:
 
 
 def build_model(spec: ModelConfig, attention: str = "sdpa", dtype: torch.dtype = torch.float32,
-                on_meta: bool = False) -> PreTrainedModel:
-    """The model, with weights when the source has them; random init otherwise; on `meta` if asked."""
+                on_meta: bool = False, load_kwargs: dict | None = None) -> PreTrainedModel:
+    """The model, with weights when the source has them; random init otherwise; on `meta` if asked.
+
+    `load_kwargs` go to `from_pretrained` only (e.g. a BitsAndBytesConfig from
+    memfit.strategies.quantization.quantized_loading: real weights load straight into 4/8-bit
+    layers; a random-init model is quantized after it is built instead)."""
     config, source = load_model_config(spec)
     config._attn_implementation = attention_implementation(attention)
     kwargs = dict(dtype=dtype, trust_remote_code=spec.trust_remote_code)
+    pretrained_kwargs = {**kwargs, **(load_kwargs or {})}
     try:
         if on_meta:
             with torch.device("meta"):
                 return AutoModelForCausalLM.from_config(config, **kwargs)
         if source == "local" and _has_weights(Path(spec.name).expanduser()):
-            return AutoModelForCausalLM.from_pretrained(spec.name, config=config, **kwargs)
+            return AutoModelForCausalLM.from_pretrained(spec.name, config=config, **pretrained_kwargs)
         if source == "hub":
-            return AutoModelForCausalLM.from_pretrained(spec.name, config=config, revision=spec.revision, **kwargs)
+            return AutoModelForCausalLM.from_pretrained(spec.name, config=config, revision=spec.revision,
+                                                        **pretrained_kwargs)
     except ValueError as exc:  # transformers' message for "not a causal LM"
         raise ModelLoadError(f"model '{spec.name}' ({config.model_type}) cannot be loaded as a causal LM: "
                              f"{str(exc).splitlines()[0]}") from None
@@ -73,6 +79,15 @@ def build_model(spec: ModelConfig, attention: str = "sdpa", dtype: torch.dtype =
     except ValueError as exc:
         raise ModelLoadError(f"model '{spec.name}' ({config.model_type}) is not a causal LM: "
                              f"{str(exc).splitlines()[0]}") from None
+
+
+def has_weights(spec: ModelConfig) -> bool:
+    """Whether the model's weights can be loaded again (local folder with weights, or hub id);
+    presets and config-only folders start from random weights."""
+    path = Path(spec.name).expanduser()
+    if path.exists():
+        return _has_weights(path)
+    return not _is_preset(spec.name)
 
 
 def load_tokenizer(spec: ModelConfig):

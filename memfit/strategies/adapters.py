@@ -1,23 +1,71 @@
-"""Fine-tuning method: full (all weights train) or LoRA adapters through PEFT."""
+"""Fine-tuning method: full (all weights train), LoRA adapters through PEFT, or QLoRA
+(4-bit base weights + LoRA). `quant: int8` with method lora gives 8-bit base weights + LoRA.
+
+The order is the one QLoRA uses: quantize the base Linear layers (skipped when the model was
+loaded already quantized), prepare the quantized model for training (everything frozen, the
+remaining 16-bit parameters — norms, embeddings, head — upcast to fp32), then add the adapters.
+"""
 
 from __future__ import annotations
 
+import torch
+from torch import nn
 from transformers import PreTrainedModel
 
 from memfit.config import RunConfig
 from memfit.errors import MemfitError, require
+from memfit.strategies.quantization import compute_dtype, is_quantized, is_quantized_linear, quantize_model
 
 
-def apply_method(model: PreTrainedModel, cfg: RunConfig) -> PreTrainedModel:
-    """Full fine-tuning leaves the model as is; LoRA freezes it and adds trainable adapters."""
+def apply_method(model: PreTrainedModel, cfg: RunConfig, device: torch.device | str | None = None) -> PreTrainedModel:
+    """Full fine-tuning leaves the model as is; LoRA/QLoRA freeze it and add trainable adapters.
+
+    With `device`, the model moves there first, so that quantization happens on the device the
+    model trains on (a model loaded already quantized stays where its loader put it).
+    """
+    if device is not None and not is_quantized(model):
+        model = model.to(device)
     if cfg.method == "full":
         return model
-    if cfg.method == "qlora":
-        raise MemfitError("method: qlora is not available in this build yet; use method: lora")
-    peft = require("peft", "method: lora")
+    peft = require("peft", f"method: {cfg.method}")
+    if cfg.quant != "none":
+        quantize_model(model, cfg.quant, cfg.quant_backend, compute_dtype(cfg))
+        prepare_quantized_for_training(model)
     lora = peft.LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                           target_modules=cfg.lora.targets, task_type="CAUSAL_LM")
+                           target_modules=cfg.lora.targets, use_dora=cfg.lora.use_dora,
+                           use_rslora=cfg.lora.use_rslora, modules_to_save=modules_to_save(model, cfg) or None,
+                           task_type="CAUSAL_LM")
     try:
         return peft.get_peft_model(model, lora)
     except ValueError as exc:  # e.g. target modules that the model does not have
         raise MemfitError(f"lora.targets {cfg.lora.targets!r}: {str(exc).splitlines()[0]}") from None
+
+
+def prepare_quantized_for_training(model: nn.Module) -> nn.Module:
+    """What peft.prepare_model_for_kbit_training does, minus its checkpointing switch (memfit's own
+    `checkpointing` setting already chose which layers to checkpoint, non-reentrant, so no input
+    gradients are needed) and minus its fp32 cast of torchao NF4 weights (that would dequantize them):
+    freeze everything; keep 16-bit non-quantized parameters (norms, embeddings, lm_head) in fp32 so
+    their small values and the logits do not lose precision."""
+    quantized = {id(m.weight) for m in model.modules() if is_quantized_linear(m)}
+    for param in model.parameters():
+        param.requires_grad_(False)
+        if id(param) not in quantized and param.dtype in (torch.float16, torch.bfloat16):
+            param.data = param.data.float()
+    return model
+
+
+def modules_to_save(model: nn.Module, cfg: RunConfig) -> list[str]:
+    """Module names (as peft matches them: the last name component) for train_embeddings / train_lm_head."""
+    wanted = []
+    if cfg.lora.train_embeddings:
+        wanted.append(("lora.train_embeddings", model.get_input_embeddings()))
+    if cfg.lora.train_lm_head:
+        wanted.append(("lora.train_lm_head", model.get_output_embeddings()))
+    names = []
+    by_id = {id(module): name for name, module in model.named_modules()}
+    for field, module in wanted:
+        if module is None or id(module) not in by_id:
+            raise MemfitError(f"{field}: {type(model).__name__} has no such module to train")
+        names.append(by_id[id(module)].rsplit(".", 1)[-1])
+    return names

@@ -12,20 +12,37 @@ import torch
 from tqdm.auto import tqdm
 
 from memfit.config import RunConfig
-from memfit.data.loader import BatchStream, load_examples
+from memfit.data.loader import build_batch_stream
+from memfit.distributed import launch
+from memfit.distributed.checkpoint import checkpoint_functions, unwrap, write_rank_memory
+from memfit.distributed.sharding import builds_on_meta, initial_device, shard
 from memfit.errors import MemfitError
 from memfit.memory.report import MemoryReport, format_bytes
+from memfit.memory.planner import resolve_budget
 from memfit.memory.tracker import MemoryTracker, NullTracker
-from memfit.models.loading import build_model, load_tokenizer
+from memfit.models.loading import build_model, load_model_config, load_tokenizer
+from memfit.models.merge import save_adapter_outputs
 from memfit.strategies.adapters import apply_method
+from memfit.strategies.quantization import quantized_loading
 from memfit.strategies.checkpointing import apply_checkpointing
 from memfit.strategies.optimizers import build_optimizer
 from memfit.strategies.precision import make_precision
+from memfit.train.checkpoint import (CHECKPOINTS_DIR, discard_checkpoints, latest_step_name, resume_state,
+                                     save_checkpoint)
 from memfit.train.schedule import make_scheduler
-from memfit.train.step import training_step
+from memfit.train.signals import StopOnSignal, TrainingStopped
+from memfit.train.oom import OomRecovery, make_tracker, resolve_micro_batch
+from memfit.train.step import step_strategies, training_step
 
 log = logging.getLogger(__name__)
-RUN_MARKERS = ("run_config.yaml", "metrics.jsonl")  # files that say a folder already holds a run
+RUN_MARKERS = ("run_config.yaml", "metrics.jsonl", CHECKPOINTS_DIR)  # what says a folder already holds a run
+# Settings a resumed run may change; any other difference means the checkpoint belongs to another run.
+RESUMABLE_CHANGES = {"resume", "overwrite", "max_steps", "save_every", "keep_checkpoints", "log_every",
+                     "max_nonfinite_steps", "track_memory", "output_dir", "device"}
+
+
+class NonFiniteError(MemfitError):
+    """Too many steps in a row with NaN/inf loss or gradients."""
 
 
 @dataclass
@@ -44,62 +61,146 @@ def resolve_device(name: str) -> torch.device:
 
 
 def prepare_output_dir(cfg: RunConfig) -> Path:
+    """Refuse to mix two runs in one folder; resume reuses it, overwrite clears it."""
     out = Path(cfg.output_dir)
-    if any((out / marker).exists() for marker in RUN_MARKERS) and not cfg.overwrite:
-        raise MemfitError(f"output_dir {out} already holds a run; choose another output_dir "
-                          "or set overwrite=true to replace it")
+    if cfg.resume and cfg.overwrite:
+        raise MemfitError("resume=true continues the run in output_dir and overwrite=true replaces it; set only one")
+    holds_run = any((out / marker).exists() for marker in RUN_MARKERS)
+    if holds_run and not (cfg.overwrite or cfg.resume):
+        raise MemfitError(f"output_dir {out} already holds a run; choose another output_dir, "
+                          "set resume=true to continue it, or overwrite=true to replace it")
+    if holds_run and cfg.resume:
+        check_same_run(out, cfg)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "metrics.jsonl").unlink(missing_ok=True)
-    (out / "run_config.yaml").write_text(cfg.to_yaml())
+    if not cfg.resume:
+        (out / "metrics.jsonl").unlink(missing_ok=True)
+        discard_checkpoints(out)
+    tmp = out / ".run_config.yaml.tmp"  # written aside and renamed: a kill never leaves half a config
+    tmp.write_text(cfg.to_yaml())
+    tmp.replace(out / "run_config.yaml")
     return out
 
 
+def check_same_run(out: Path, cfg: RunConfig) -> None:
+    """resume=true: the saved run_config.yaml must describe the same run (up to RESUMABLE_CHANGES)."""
+    import yaml
+
+    path = out / "run_config.yaml"
+    if not path.exists():
+        return
+    try:
+        before = _flatten(yaml.safe_load(path.read_text()) or {})
+    except yaml.YAMLError:
+        raise MemfitError(f"resume=true: {path} is not valid YAML; it cannot tell which run this is") from None
+    now = _flatten(cfg.model_dump(mode="json"))
+    changed = [f"{key}: {before[key]!r} there, {now[key]!r} now" for key in sorted(set(before) & set(now))
+               if before[key] != now[key] and key.split(".")[0] not in RESUMABLE_CHANGES]
+    if changed:
+        raise MemfitError(f"resume=true: {path} describes a different run ({'; '.join(changed)}); "
+                          "resume with the same settings, or use another output_dir")
+
+
+def _flatten(tree: dict, prefix: str = "") -> dict:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
 def train(cfg: RunConfig, progress: bool = True) -> RunResult:
-    device = resolve_device(cfg.device)
+    cfg = resolve_budget(cfg)  # budget: auto | size -> the planner's choice (a copy); no-op when unset
+    # Under torchrun: join the process group (a single process gets a context that changes nothing).
+    dist = launch.init_distributed(cfg, resolve_device(cfg.device), load_model_config(cfg.model)[0])
+    device = launch.local_device(resolve_device(cfg.device), dist)
+    cfg = resolve_micro_batch(cfg, device)  # micro_batch: auto -> the largest that fits (a copy); else unchanged
     torch.manual_seed(cfg.seed)
     precision = make_precision(cfg.precision, device)
     tokenizer = load_tokenizer(cfg.model)
-    examples = load_examples(cfg.data, tokenizer, cfg.seq_len)
-    model = build_model(cfg.model, cfg.attention, dtype=precision.weight_dtype)
-    model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg).to(device)
+    stream = build_batch_stream(cfg, tokenizer, device, dist.dp_rank, dist.dp_size)  # this rank's slice
+    model = build_model(cfg.model, cfg.attention, dtype=precision.weight_dtype, on_meta=builds_on_meta(cfg, dist),
+                        load_kwargs=quantized_loading(cfg, device))
+    model.config.use_cache = False  # no KV cache in training; a cache also turns off packed masks (data/packing.py)
+    model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg,
+                         initial_device(cfg, dist, device))  # moves, then quantizes
+    model, optimizer = shard(model, lambda params: build_optimizer(  # unchanged for one process
+        cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device), cfg, dist, device)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device)
     scheduler = make_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
-    stream = BatchStream(examples, cfg.micro_batch, tokenizer.pad_token_id, cfg.seed)
-    out = prepare_output_dir(cfg)
-    tracker = MemoryTracker() if cfg.track_memory else NullTracker()
+    out = launch.on_main_first(dist, prepare_output_dir, cfg)  # rank 0 prepares the folder, the others wait
+    load_rss_bytes = launch.peak_rss_bytes()  # the model-loading high-water mark (docs/distributed.md)
+    # D's atomic checkpoint files for one process; torch.distributed.checkpoint when sharded.
+    save, resume, save_weights = checkpoint_functions(dist, save_checkpoint, resume_state, save_model)
+    state = resume(cfg.resume, out, model, optimizer, scheduler, precision.scaler, stream)
+    tracker = make_tracker(cfg)  # a MemoryBudget (OOM above memory_budget) when set
+    strategies = step_strategies(cfg, device, optimizer, params)  # chunked loss, offload, optimizer in backward
+    oom = OomRecovery.for_run(cfg)  # on OOM: finer micro-batches, same data, same step
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    losses: list[float] = []
-    bar = tqdm(range(1, cfg.max_steps + 1), desc="training", unit="step", disable=not progress)
-    with tracker, (out / "metrics.jsonl").open("a") as metrics:
+    losses = state.losses  # the whole run's, a resumed one included
+    nonfinite_in_row = 0
+    bar = tqdm(range(state.step + 1, cfg.max_steps + 1), initial=state.step, total=cfg.max_steps,
+               desc="training", unit="step", disable=not (progress and dist.is_main))
+    with tracker, StopOnSignal() as stop, launch.main_only_file(dist, out / "metrics.jsonl") as metrics:
         tracker.tag_module(model)
         for step in bar:
             started = time.perf_counter()
             micro_batches = [{k: v.to(device) for k, v in stream.next_batch().items()} for _ in range(cfg.grad_accum)]
             for batch in micro_batches:
                 tracker.tag(batch.values(), "activations")
-            result = training_step(model, optimizer, micro_batches, precision, tracker, params, cfg.max_grad_norm)
+            result = oom.run(lambda pieces: training_step(
+                model, optimizer, pieces, precision, tracker, params, cfg.max_grad_norm,
+                target_count=launch.target_count(dist), **strategies), micro_batches, optimizer)
+            result.loss = launch.mean_over_ranks(result.loss, dist)  # what one process would report
             lr = scheduler.get_last_lr()[0]
             scheduler.step()
             losses.append(result.loss)
-            tokens_per_s = result.tokens / (time.perf_counter() - started)
+            nonfinite_in_row = nonfinite_in_row + 1 if result.nonfinite else 0
+            state.nonfinite_total += result.nonfinite
+            if result.nonfinite:
+                log.warning("step %d: non-finite loss or gradients (loss %s); update skipped "
+                            "(%d in a row, %d in this run)", step, result.loss, nonfinite_in_row, state.nonfinite_total)
+            step_time_s = time.perf_counter() - started
+            tokens_per_s = result.tokens / step_time_s
             bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_s:,.0f}",
                             peak=format_bytes(tracker.peak_bytes))
             if step % cfg.log_every == 0 or step in (1, cfg.max_steps):
                 metrics.write(json.dumps({
                     "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                    "skipped": result.skipped, "tokens_per_s": round(tokens_per_s, 1),
+                    "skipped": result.skipped, "nonfinite": result.nonfinite, "tokens_per_s": round(tokens_per_s, 1),
+                    "tokens": result.tokens, "step_time_s": round(step_time_s, 4),
                     "epoch": stream.epoch, "peak_bytes": tracker.peak_bytes,
                     "peak_by_category_bytes": tracker.peak_by_category()}) + "\n")
                 metrics.flush()
+            if nonfinite_in_row >= cfg.max_nonfinite_steps:
+                last = latest_step_name(out / CHECKPOINTS_DIR)
+                raise NonFiniteError(
+                    f"step {step}: loss or gradients were NaN/inf for {nonfinite_in_row} steps in a row (steps "
+                    f"{step - nonfinite_in_row + 1}-{step}, max_nonfinite_steps={cfg.max_nonfinite_steps}); stopped. "
+                    f"Last good checkpoint: {out / CHECKPOINTS_DIR / last if last else 'none'}. "
+                    "Lower lr or check the data, then resume=true")
+            # Checkpoint on schedule, at the end, or when asked to stop; never inside a non-finite streak.
+            if stop.requested or (not nonfinite_in_row and (step == cfg.max_steps or (
+                    cfg.save_every and step % cfg.save_every == 0))):
+                state.step, state.data = step, stream.state_dict()
+                saved = save(out, state, model, optimizer, scheduler, precision.scaler, cfg.keep_checkpoints)
+            if stop.requested and step < cfg.max_steps:
+                raise TrainingStopped(f"{stop.name} received; checkpoint of step {step} saved in {saved}; "
+                                      "continue with resume=true", stop.signum)
 
     report = measured_report(tracker, device)
-    save_model(model, tokenizer, out)
-    (out / "memory_report.txt").write_text(report.to_text() + "\n")
-    (out / "memory_report.json").write_text(report.to_json() + "\n")
+    save_weights(model, tokenizer, out)  # sharded: gathered to rank 0, which writes ordinary files
+    if dist.is_main:
+        save_adapter_outputs(unwrap(model), cfg, out)  # random-init base next to the adapter; merged if merge: true
+        (out / "memory_report.txt").write_text(report.to_text() + "\n")
+        (out / "memory_report.json").write_text(report.to_json() + "\n")
+    if dist.enabled:
+        write_rank_memory(dist, out, report, load_rss_bytes)  # every rank's peak -> distributed_memory.json
+    launch.teardown(dist)
     return RunResult(out, losses, report)
 
 

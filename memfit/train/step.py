@@ -6,11 +6,13 @@ strategy changes about a step must happen in here or in the objects passed in.
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from memfit.data.loader import IGNORE_INDEX
+from memfit.strategies.loss import plain_loss
 from memfit.strategies.precision import PrecisionPlan
 
 
@@ -18,8 +20,25 @@ from memfit.strategies.precision import PrecisionPlan
 class StepResult:
     loss: float
     grad_norm: float
-    skipped: bool  # fp16 overflow: the scaler skipped the update
+    skipped: bool  # no update: fp16 overflow (the scaler's call) or a non-finite loss/gradient
     tokens: int    # tokens processed (padding excluded)
+    nonfinite: bool = False  # loss or gradients were NaN/inf; the loop counts these in a row
+
+
+def _finite(value: torch.Tensor) -> bool:
+    """Whether a tensor is all finite; assumed so on fake/meta tensors (the planner traces this step)."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    if isinstance(value, FakeTensor) or value.device.type == "meta":
+        return True
+    return bool(torch.isfinite(value).all())
+
+
+def count_tokens(micro_batches: list[dict]) -> int:
+    """Tokens processed, padding excluded; packed batches carry no attention_mask (position_ids
+    mark the examples instead, see memfit/data/packing.py) and are counted whole."""
+    return sum(int(mb["attention_mask"].sum()) if "attention_mask" in mb else mb["input_ids"].numel()
+               for mb in micro_batches)
 
 
 def count_targets(micro_batches: list[dict]) -> int:
@@ -27,23 +46,55 @@ def count_targets(micro_batches: list[dict]) -> int:
     return sum(int((mb["labels"][:, 1:] != IGNORE_INDEX).sum()) for mb in micro_batches)
 
 
+def step_strategies(cfg, device: torch.device, optimizer: torch.optim.Optimizer, params: list,
+                    traced: bool = False) -> dict:
+    """training_step's strategy hooks for this run, as keyword arguments (all no-ops when off).
+    The loop and the planner's trace both call this, once per model (it registers the
+    optimizer-in-backward hooks). `traced`: fake tensors estimating `device`."""
+    from memfit.strategies.activation_offload import activation_offload
+    from memfit.strategies.loss import loss_function
+    from memfit.strategies.optimizer_in_backward import in_backward_update
+
+    return {"loss_fn": loss_function(cfg.chunked_loss),
+            "saved_activations": activation_offload(cfg.activation_offload, device, params, traced=traced),
+            "update": in_backward_update(cfg.optimizer_in_backward, optimizer, params)}
+
+
 def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],
                   precision: PrecisionPlan, tracker, params: list[torch.nn.Parameter],
-                  max_grad_norm: float | None) -> StepResult:
+                  max_grad_norm: float | None, loss_fn=plain_loss, saved_activations=nullcontext,
+                  update=None, target_count=count_targets) -> StepResult:
+    """One optimizer step. The last three are the no-op-when-off strategy hooks (issue 7):
+    loss_fn (strategies/loss.py: plain or chunked), saved_activations (a context factory around
+    each forward: strategies/activation_offload.py) and update (replaces precision.step:
+    strategies/optimizer_in_backward.py, which already updated the weights during backward).
+    target_count (issue 6): what each loss is divided by; data parallel divides by all ranks'
+    targets / ranks, so the averaged gradients equal one process's (memfit/distributed/launch.py)."""
     # Sum of per-token losses over the step / target tokens in the step: every token weighs
     # the same, however the tokens are split into micro-batches.
-    targets = max(count_targets(micro_batches), 1)
+    targets = max(target_count(micro_batches), 1)
     total = torch.zeros((), device=micro_batches[0]["input_ids"].device)
     for batch in micro_batches:
-        with tracker.phase("forward"), precision.autocast():
-            loss = model(**batch, num_items_in_batch=targets).loss
+        with tracker.phase("forward"), precision.autocast(), saved_activations():
+            loss = loss_fn(model, batch, targets)
         with tracker.phase("backward"):
             precision.backward(loss)
         total += loss.detach()
     tracker.tag_gradients(params)
+    # A NaN/inf loss, or (without a loss scaler, which checks for itself) a NaN/inf gradient, would
+    # poison the weights and optimizer states for good: drop this step's gradients instead.
+    if not _finite(total) or (precision.scaler is None and not _finite(_grad_norm(params))):
+        optimizer.zero_grad(set_to_none=True)
+        tokens = count_tokens(micro_batches)
+        return StepResult(float(total), float("nan"), True, tokens, nonfinite=True)
     with tracker.phase("optimizer"):
-        grad_norm, skipped = precision.step(optimizer, params, max_grad_norm)
+        grad_norm, skipped = (update or precision.step)(optimizer, params, max_grad_norm)
         optimizer.zero_grad(set_to_none=True)  # frees gradient memory until the next backward
     tracker.tag_optimizer(optimizer)
-    tokens = sum(int(mb["attention_mask"].sum()) for mb in micro_batches)
+    tokens = count_tokens(micro_batches)
     return StepResult(float(total), grad_norm, skipped, tokens)
+
+
+def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())

@@ -1,0 +1,122 @@
+"""Records -> training examples (`input_ids`, `labels` with masked positions at IGNORE_INDEX).
+
+`encode_chunk` is the unit of work every path shares (in-memory, streaming workers, `memfit data
+prepare` workers): a list of raw records in, examples and problems out. Problems are returned,
+not raised, so a worker process never dies on bad input; `ProblemLog` in the parent decides:
+a malformed record stops the run with its file and line, unless `data.skip_bad_records`; empty
+examples and ones with no response tokens left after truncation are always skipped, counted and
+reported (never silently trained on).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from memfit.data.formats import remap_fields, render_segments
+from memfit.data.sources import DataError, parse_item
+
+log = logging.getLogger(__name__)
+IGNORE_INDEX = -100  # label value that cross-entropy skips
+
+BAD, EMPTY, NO_RESPONSE = "malformed", "empty", "no-response"
+_KIND_TEXT = {BAD: "malformed record(s) skipped (data.skip_bad_records)",
+              EMPTY: "empty example(s) skipped: nothing to learn from",
+              NO_RESPONSE: "example(s) skipped: the prompt fills seq_len, no response token is left to learn"}
+
+
+@dataclass(frozen=True)
+class EncodeSpec:
+    """Everything a worker needs to turn records into examples (picklable)."""
+
+    tokenizer: object
+    seq_len: int
+    format: str = "auto"
+    fields: dict = field(default_factory=dict)
+    train_on_prompt: bool = False
+
+    @classmethod
+    def from_config(cls, data_cfg, tokenizer, seq_len: int) -> "EncodeSpec":
+        return cls(tokenizer, seq_len, data_cfg.format, dict(data_cfg.fields), data_cfg.train_on_prompt)
+
+
+@dataclass
+class ChunkResult:
+    examples: list[dict]
+    problems: list[tuple[str, str]]  # (kind, message naming where)
+    records: int = 0
+
+
+def encode_chunk(items: list[tuple[str, object]], spec: EncodeSpec) -> ChunkResult:
+    """Parse, render and tokenize a chunk of records (one batched tokenizer call: much faster)."""
+    rendered, problems = [], []
+    for where, item in items:
+        try:
+            record = remap_fields(parse_item(where, item), spec.fields)
+            segments, templated = render_segments(record, spec.format, spec.tokenizer)
+        except DataError as exc:
+            message = str(exc)
+            problems.append((BAD, message if message.startswith(where) else f"{where}: {message}"))
+            continue
+        if not any(text.strip() for text, trainable in segments if trainable):
+            problems.append((EMPTY, f"{where}: the response/text is empty"))
+            continue
+        rendered.append((where, segments, templated))
+    texts = [text for _, segments, _ in rendered for text, _ in segments]
+    ids = spec.tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    examples, cursor = [], 0
+    for where, segments, templated in rendered:
+        pieces = ids[cursor:cursor + len(segments)]
+        cursor += len(segments)
+        example = _assemble(pieces, [t for _, t in segments], templated, spec)
+        if example is None:
+            problems.append((NO_RESPONSE, f"{where}: no response token left within seq_len={spec.seq_len}"))
+        else:
+            examples.append(example)
+    return ChunkResult(examples, problems, len(items))
+
+
+def _assemble(pieces: list[list[int]], trainable: list[bool], templated: bool, spec: EncodeSpec) -> dict | None:
+    tok = spec.tokenizer
+    bos, eos = tok.bos_token_id, tok.eos_token_id
+    input_ids, labels, response = [], [], []  # response[i]: token i belongs to a trainable segment
+    if bos is not None and not (templated and pieces and pieces[0][:1] == [bos]):
+        input_ids.append(bos)  # chat templates usually render BOS themselves
+        labels.append(bos if spec.train_on_prompt else IGNORE_INDEX)
+        response.append(False)
+    if not templated and eos is not None:
+        pieces, trainable = pieces + [[eos]], trainable + [True]  # learn to stop
+    for piece, is_response in zip(pieces, trainable):
+        input_ids += piece
+        labels += piece if (is_response or spec.train_on_prompt) else [IGNORE_INDEX] * len(piece)
+        response += [is_response] * len(piece)
+    if not any(response[:spec.seq_len]):  # the prompt alone fills seq_len
+        return None
+    return {"input_ids": input_ids[:spec.seq_len], "labels": labels[:spec.seq_len]}
+
+
+class ProblemLog:
+    """Counts skipped examples by kind; a malformed record raises unless skipping is allowed."""
+
+    def __init__(self, skip_bad_records: bool, keep: int = 3):
+        self.skip_bad_records, self.keep = skip_bad_records, keep
+        self.counts: dict[str, int] = {}
+        self.samples: dict[str, list[str]] = {}
+
+    def add(self, kind: str, message: str) -> None:
+        if kind == BAD and not self.skip_bad_records:
+            raise DataError(f"{message}\n(set data.skip_bad_records=true to skip and count such records)")
+        self.counts[kind] = self.counts.get(kind, 0) + 1
+        if len(self.samples.setdefault(kind, [])) < self.keep:
+            self.samples[kind].append(message)
+
+    def add_all(self, problems: list[tuple[str, str]]) -> None:
+        for kind, message in problems:
+            self.add(kind, message)
+
+    def summary(self) -> list[str]:
+        return [f"{n} {_KIND_TEXT[kind]}; e.g. {'; '.join(self.samples[kind])}" for kind, n in self.counts.items()]
+
+    def report(self) -> None:
+        for line in self.summary():
+            log.warning("%s", line)

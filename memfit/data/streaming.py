@@ -1,0 +1,131 @@
+"""Stream a raw dataset straight into training: read, tokenize, shuffle, pack and batch on the fly.
+
+RAM stays flat whatever the corpus size: the process holds the shuffle buffer (`data.shuffle_buffer`
+examples), one packed row, and `num_workers x prefetch_factor` chunks of CHUNK_RECORDS records.
+
+With `data.num_workers` = W > 0, record chunk c is tokenized by DataLoader worker c mod W; the
+DataLoader returns the workers' results round-robin, i.e. in chunk order, so the example order is
+the same for any W and the stream is deterministic. Resume is exact: the epoch is replayed from
+its start with the same seed and the first `position` items are dropped (re-reading costs time,
+not correctness), so every example is seen exactly once per epoch across a restart. With data
+parallel ranks, rank r tokenizes and serves record chunks r, r + world, ... (disjoint shares).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from typing import Iterator
+
+import torch
+
+from memfit.data.examples import EncodeSpec, ProblemLog, encode_chunk
+from memfit.data.loader import CHUNK_RECORDS, chunked, collate
+from memfit.data.packing import pack_examples
+from memfit.data.sources import DataError, iter_raw
+
+
+class EncodedChunks(torch.utils.data.IterableDataset):
+    """Yields one ChunkResult per chunk of raw records; each worker encodes its share only."""
+
+    def __init__(self, path: str, split: str, limit: int | None, spec: EncodeSpec, rank: int = 0, world: int = 1,
+                 chunk_records: int = CHUNK_RECORDS):
+        self.path, self.split, self.limit, self.spec = path, split, limit, spec
+        self.rank, self.world, self.chunk_records = rank, world, chunk_records
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info else (0, 1)
+        for index, chunk in enumerate(chunked(iter_raw(self.path, self.split, self.limit), self.chunk_records)):
+            # data parallel: rank r owns chunks r, r + world, ...; its k-th chunk goes to worker k mod W
+            if index % self.world == self.rank and (index // self.world) % workers == worker:
+                yield encode_chunk(chunk, self.spec)
+
+
+def _identity(item):
+    return item
+
+
+def shuffled(items: Iterator, buffer_size: int, rng: random.Random) -> Iterator:
+    """Approximate shuffle with a fixed-size buffer (the whole stream is never held)."""
+    if buffer_size <= 1:
+        yield from items
+        return
+    buffer = []
+    for item in items:
+        if len(buffer) < buffer_size:
+            buffer.append(item)
+            continue
+        index = rng.randrange(buffer_size)
+        yield buffer[index]
+        buffer[index] = item
+    rng.shuffle(buffer)
+    yield from buffer
+
+
+class StreamingBatches:
+    """Same interface as BatchStream (`next_batch`, `epoch`, `state_dict`/`load_state_dict`);
+    `position` counts the examples (packed rows when packing) consumed in the current epoch."""
+
+    def __init__(self, cfg, tokenizer, pin_memory: bool = False, rank: int = 0, world: int = 1):
+        data = cfg.data
+        self.spec = EncodeSpec.from_config(data, tokenizer, cfg.seq_len)
+        self.data, self.seq_len, self.packing = data, cfg.seq_len, cfg.packing
+        self.micro_batch, self.pad_id, self.seed = cfg.micro_batch, tokenizer.pad_token_id, cfg.seed
+        self.pin_memory, self.rank, self.world = pin_memory, rank, world
+        self.epoch, self.position = 0, 0
+        self.problems = ProblemLog(data.skip_bad_records)
+        self._items: Iterator[dict] | None = None
+
+    def _examples(self, problems: ProblemLog) -> Iterator[dict]:
+        dataset = EncodedChunks(self.data.path, self.data.split, self.data.limit, self.spec, self.rank, self.world)
+        workers = self.data.num_workers
+        if workers:
+            os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism
+        loader = torch.utils.data.DataLoader(dataset, batch_size=None, collate_fn=_identity, num_workers=workers,
+                                             prefetch_factor=self.data.prefetch_factor if workers else None)
+        for result in loader:
+            problems.add_all(result.problems)  # raises on a malformed record unless skipping
+            yield from result.examples
+
+    def epoch_items(self, epoch: int) -> Iterator[dict]:
+        """The examples (or packed rows) of one epoch, in training order."""
+        problems = ProblemLog(self.data.skip_bad_records)
+        rng = random.Random(self.seed * 1_000_003 + epoch)
+        items = shuffled(self._examples(problems), self.data.shuffle_buffer, rng)
+        if self.packing:
+            items = pack_examples(items, self.seq_len)
+        count = 0
+        for item in items:
+            count += 1
+            yield item
+        if count == 0:
+            raise DataError(f"{self.data.path}: no usable examples" + "".join(f"\n  {s}" for s in problems.summary()))
+        if epoch == 0:
+            problems.report()
+        self.problems = problems
+
+    def _start_epoch(self) -> None:
+        items = self.epoch_items(self.epoch)
+        for _ in range(self.position):  # resume: replay and drop what this epoch already served
+            next(items)
+        self._items = items
+
+    def next_batch(self) -> dict[str, torch.Tensor]:
+        if self._items is None:
+            self._start_epoch()
+        rows = [row for _, row in zip(range(self.micro_batch), self._items)]
+        if not rows:  # epoch done (the last batch of an epoch may be short)
+            self.epoch, self.position = self.epoch + 1, 0
+            self._start_epoch()
+            rows = [row for _, row in zip(range(self.micro_batch), self._items)]
+        self.position += len(rows)
+        batch = collate(rows, self.pad_id)
+        return {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self._items = None

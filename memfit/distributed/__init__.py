@@ -1,0 +1,11 @@
+"""Scale-out on PyTorch's own engines: torchrun, DDP, ZeroRedundancyOptimizer, FSDP2, DTensor
+tensor parallel, torch.distributed.pipelining. No home-made communication layer: every byte
+that crosses ranks goes through torch.distributed's engines or collectives.
+
+  launch.py           process group from torchrun's environment; clean teardown
+  validate.py         refuse impossible combinations before any process does work
+  sharding.py         ddp / zero1 / zero2 / zero3 / CPU offload, and sharded loading
+  tensor_parallel.py  Llama-family blocks through parallelize_module
+  pipeline.py         stages and the GPipe schedule
+  checkpoint.py       torch.distributed.checkpoint save/reload, full state dict on rank 0
+"""

@@ -1,0 +1,193 @@
+"""Checkpoints of sharded runs, and the final model as ordinary Hugging Face files.
+
+Resumable checkpoint (every rank takes part): `<output_dir>/checkpoints/sharded-step-00000042/`
+  state/              torch.distributed.checkpoint (DCP) folder: model and optimizer state as
+                      each rank holds it (FSDP2/TP shards as DTensors, DDP replicas once).
+                      DCP re-shards on load, so a zero2/zero3 run can resume on another number
+                      of ranks; zero1 (ZeroRedundancyOptimizer) stores its consolidated optimizer
+                      state, which also loads on any number of ranks.
+  trainer.pt          rank 0: step, data position, losses, scheduler state (weights_only load)
+  rng-rank<r>.pt      each rank's torch RNG state
+It is written under a `.tmp-` name and renamed by rank 0 once every rank has finished, so a
+folder with the final name is complete.
+
+Final model: `get_model_state_dict(full_state_dict=True, cpu_offload=True)` gathers the full
+weights onto rank 0's CPU (other ranks receive nothing), and rank 0 writes them with the
+model's own `save_pretrained` (safetensors; PEFT adapter files for LoRA).
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import shutil
+from pathlib import Path
+
+import torch
+
+from memfit.distributed.launch import DistContext
+from memfit.errors import MemfitError
+
+log = logging.getLogger(__name__)
+PREFIX = "sharded-step-"
+_NAME = re.compile(rf"^{PREFIX}(\d{{8,}})$")
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The Hugging Face (or PEFT) model inside a DDP or pipeline wrapper."""
+    return getattr(model, "module", model)
+
+
+def _is_zero1(optimizer) -> bool:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
+
+
+def _state(model, optimizer):
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if hasattr(model, "stage_state_dict"):  # pipeline stage: its own part of the model
+        return {"model": model.stage_state_dict()}, True
+    if _is_zero1(optimizer):
+        return {"model": get_model_state_dict(model)}, False
+    model_state, optim_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optim": optim_state}, True
+
+
+def save_sharded(out: Path, step: int, trainer: dict, model, optimizer, ctx: DistContext, keep: int = 2) -> Path:
+    """Collective: every rank calls this with the same step. Returns the checkpoint folder."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    root = Path(out) / "checkpoints"
+    final, tmp = root / f"{PREFIX}{step:08d}", root / f".tmp-{PREFIX}{step:08d}"
+    if ctx.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    state, optimizer_in_dcp = _state(model, optimizer)
+    dcp.save(state, checkpoint_id=str(tmp / "state"))
+    if _is_zero1(optimizer):  # ZeroRedundancyOptimizer gathers its shards on rank 0 itself
+        optimizer.consolidate_state_dict(to=0)
+    if not optimizer_in_dcp and not _is_zero1(optimizer):
+        torch.save(optimizer.state_dict(), tmp / f"optim-rank{ctx.rank}.pt")  # pipeline: per stage
+    if ctx.is_main and _is_zero1(optimizer):
+        torch.save(optimizer.state_dict(), tmp / "optim-consolidated.pt")
+    torch.save({"torch_cpu": torch.get_rng_state()}, tmp / f"rng-rank{ctx.rank}.pt")
+    if ctx.is_main:
+        torch.save(trainer, tmp / "trainer.pt")
+    dist.barrier()
+    if ctx.is_main:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in sharded_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def sharded_checkpoints(root: Path) -> list[Path]:
+    found = [p for p in Path(root).glob(f"{PREFIX}*") if _NAME.match(p.name) and (p / "trainer.pt").exists()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def load_sharded(path: Path, model, optimizer, ctx: DistContext) -> dict:
+    """Collective: restore model and optimizer (re-sharded to this run's ranks); returns trainer state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    path = Path(path)
+    if not (path / "trainer.pt").exists():
+        raise MemfitError(f"{path} is not a complete sharded checkpoint (no trainer.pt)")
+    state, optimizer_in_dcp = _state(model, optimizer)
+    dcp.load(state, checkpoint_id=str(path / "state"))
+    if hasattr(model, "load_stage_state_dict"):
+        model.load_stage_state_dict(state["model"])
+        optim_file = path / f"optim-rank{ctx.rank}.pt"
+        if not optim_file.exists():
+            raise MemfitError(f"{path}: no optimizer state for pipeline stage {ctx.rank}; a pipeline checkpoint "
+                              "resumes only with the same number of stages")
+        optimizer.load_state_dict(torch.load(optim_file, weights_only=True))
+    elif optimizer_in_dcp:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    else:
+        set_model_state_dict(model, state["model"])
+        optimizer.load_state_dict(torch.load(path / "optim-consolidated.pt", weights_only=True))
+    rng = path / f"rng-rank{ctx.rank}.pt"
+    if rng.exists():
+        torch.set_rng_state(torch.load(rng, weights_only=True)["torch_cpu"])
+    return torch.load(path / "trainer.pt", weights_only=False)
+
+
+def full_state_dict(model, ctx: DistContext) -> dict[str, torch.Tensor]:
+    """Collective: the whole model's weights on rank 0's CPU, names as in the unwrapped model; {} elsewhere."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    if hasattr(model, "full_state_dict"):  # pipeline: stages send their parts to rank 0
+        return model.full_state_dict()
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    return state if ctx.is_main else {}
+
+
+def save_final(model, tokenizer, out: Path, ctx: DistContext) -> None:
+    """Every rank calls this; rank 0 writes safetensors (or PEFT adapter files) and the tokenizer."""
+    state = full_state_dict(model, ctx)
+    if not ctx.is_main:
+        return
+    hf_model = unwrap(model)
+    if hasattr(hf_model, "hf_model"):  # pipeline wrapper keeps the meta skeleton of the full model
+        hf_model = hf_model.hf_model
+    hf_model.save_pretrained(out, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def write_rank_memory(ctx: DistContext, out: Path, report, load_rss_bytes: int) -> list[dict]:
+    """Collective: every rank's measured peak, gathered into `distributed_memory.json` by rank 0."""
+    import json
+
+    from memfit.distributed.launch import gather_to_main
+
+    mine = {"rank": ctx.rank, "measured_peak_bytes": report.measured_peak_bytes,
+            "measured_by_category_bytes": report.measured_by_category,
+            "process_peak_rss_bytes": report.process_peak_rss_bytes, "load_peak_rss_bytes": load_rss_bytes,
+            "cuda_max_allocated_bytes": getattr(report, "cuda_max_allocated_bytes", None)}
+    ranks = gather_to_main(mine, ctx)
+    if ctx.is_main:
+        (Path(out) / "distributed_memory.json").write_text(json.dumps({"world_size": ctx.world_size,
+                                                                      "ranks": ranks}, indent=1) + "\n")
+    return ranks
+
+
+def checkpoint_functions(ctx: DistContext, save_checkpoint, resume_state, save_model):
+    """(save, resume, save_final) for the loop: the single-process ones unchanged, DCP ones when sharded.
+
+    The sharded ones take the same arguments as memfit.train.checkpoint's, so the loop calls one name.
+    """
+    if not ctx.enabled:
+        return save_checkpoint, resume_state, save_model
+
+    def save(out, state, model, optimizer, scheduler=None, scaler=None, keep=2):
+        trainer = {"step": state.step, "data": state.data, "losses": list(state.losses),
+                   "nonfinite_total": state.nonfinite_total,
+                   "scheduler": scheduler.state_dict() if scheduler is not None else None}
+        return save_sharded(out, state.step, trainer, model, optimizer, ctx, keep)
+
+    def resume(resume: bool, out, model, optimizer, scheduler, scaler, stream):
+        from memfit.train.checkpoint import TrainerState
+
+        found = sharded_checkpoints(Path(out) / "checkpoints") if resume else []
+        if not found:
+            if resume:
+                log.warning("resume=true: no sharded checkpoint in %s; starting from step 0", Path(out) / "checkpoints")
+            return TrainerState(data=stream.state_dict())
+        trainer = load_sharded(found[-1], model, optimizer, ctx)
+        if scheduler is not None and trainer["scheduler"] is not None:
+            scheduler.load_state_dict(trainer["scheduler"])
+        stream.load_state_dict(trainer["data"])
+        return TrainerState(trainer["step"], trainer["data"], trainer["losses"], trainer["nonfinite_total"])
+
+    def save_final_model(model, tokenizer, out):
+        save_final(model, tokenizer, out, ctx)
+
+    return save, resume, save_final_model

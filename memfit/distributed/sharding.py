@@ -1,0 +1,148 @@
+"""Wrap a model and its optimizer for the chosen data-parallel engine.
+
+  none    unchanged (single process): model moved to the device, optimizer built as usual
+  ddp     DistributedDataParallel: full replica per rank, gradients all-reduced (averaged)
+  zero1   DDP + ZeroRedundancyOptimizer: each rank keeps the optimizer states of 1/N of the
+          parameters and broadcasts its updated parameters after the step
+  zero2   FSDP2 `fully_shard(reshard_after_forward=False)`: parameters, gradients and states
+          are sharded at rest; parameters gathered in the forward stay unsharded until the
+          backward has used them (no second all-gather), gradients are reduce-scattered
+  zero3   FSDP2 `fully_shard(reshard_after_forward=True)`: parameters re-sharded after each
+          block's forward and gathered again for its backward
+  offload (zero2/zero3) FSDP2 CPUOffloadPolicy: sharded parameters, gradients and the
+          optimizer step live on the CPU; only the block being computed is on the device
+
+FSDP2 wraps each decoder block, then the root (embeddings, final norm, lm_head), so at most
+one block (two with prefetch) is unsharded at a time.
+
+Loading (zero2/zero3): ranks other than 0 build the model on `meta` (no bytes); rank 0 builds
+or loads it once, and `set_model_state_dict(..., broadcast_from_rank0=True)` sends each rank
+its shards. So only rank 0 ever holds a full copy, and only while loading.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable
+
+import torch
+
+from memfit.distributed.launch import DistContext
+from memfit.errors import MemfitError
+
+FSDP2 = ("zero2", "zero3")
+
+
+def builds_on_meta(cfg, ctx: DistContext) -> bool:
+    """Ranks that receive their weights by broadcast build the model on `meta` (no bytes)."""
+    return ctx.enabled and ctx.rank != 0 and cfg.sharding in FSDP2
+
+
+def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The transformer blocks (HF `_no_split_modules` classes), also inside a PEFT wrapper."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = set(getattr(base, "_no_split_modules", None) or [])
+    blocks = [m for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise MemfitError(f"sharding: found no transformer blocks in {type(base).__name__} "
+                          "(it declares no _no_split_modules); FSDP2 needs them to shard block by block")
+    return blocks
+
+
+def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.optim.Optimizer], cfg,
+          ctx: DistContext, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """`model, optimizer = shard(model, optimizer_factory, cfg, ctx, device)`; unchanged when off."""
+    if not ctx.enabled:
+        model = model.to(device)
+        return model, optimizer_factory(trainable(model))
+    if cfg.tensor_parallel > 1:
+        from memfit.distributed.tensor_parallel import apply_tensor_parallel
+
+        model = apply_tensor_parallel(model, cfg.tensor_parallel, device)
+        return model, optimizer_factory(trainable(model))
+    if cfg.pipeline_parallel > 1:
+        from memfit.distributed.pipeline import build_pipeline
+
+        model = build_pipeline(model, cfg, ctx, device)
+        return model, optimizer_factory(trainable(model))
+    if cfg.sharding in FSDP2:
+        model = _fully_shard(model, cfg, ctx, device)
+        return model, optimizer_factory(trainable(model))
+    return _ddp(model, optimizer_factory, cfg, device)
+
+
+def _ddp(model, optimizer_factory, cfg, device):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = model.to(device)
+    # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
+    wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
+                  gradient_as_bucket_view=True)
+    optimizer = optimizer_factory(trainable(model))
+    if cfg.sharding == "zero1":
+        optimizer = _zero_redundancy(optimizer, trainable(model))
+    return wrapped, optimizer
+
+
+def _zero_redundancy(template: torch.optim.Optimizer, params: list) -> torch.optim.Optimizer:
+    """ZeroRedundancyOptimizer around the same optimizer class and settings as `template`."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    cls = type(template)
+    accepted = inspect.signature(cls.__init__).parameters
+    settings = {k: v for k, v in template.defaults.items() if k in accepted}
+    del template  # its (still empty) states are never used
+    optimizer = ZeroRedundancyOptimizer(params, optimizer_class=cls, **settings)
+    # The local shard's states live in `.optim.state`; alias them so memory tracking and
+    # inspection find them where every other optimizer keeps them.
+    optimizer.state = optimizer.optim.state
+    return optimizer
+
+
+def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+    # Rank 0 keeps references to its full weights (and every buffer, rotary tables included,
+    # which state_dict leaves out) while the module itself becomes shapes only, like the others.
+    full_state = model.state_dict() if ctx.rank == 0 else {}
+    full_buffers = dict(model.named_buffers()) if ctx.rank == 0 else {}
+    model = model.to("meta")
+    if hasattr(model, "tie_weights"):  # moving to meta unties shared weights (embeddings/lm_head): tie again
+        model.tie_weights()
+    mesh = init_device_mesh(device.type, (ctx.world_size,))
+    offload = cfg.offload in ("params", "all")
+    # pin_memory needs an accelerator; on a CPU-only machine the offload target is where the shards already are.
+    policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
+    reshard = cfg.sharding == "zero3"
+    for block in decoder_blocks(model):
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
+    model.to_empty(device="cpu" if offload else device)
+    if offload:  # buffers are not sharded or offloaded: they belong with the compute
+        for module in model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = buffer.to(device)
+    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    with torch.no_grad():
+        for name, buffer in model.named_buffers():
+            if ctx.rank == 0:
+                buffer.copy_(full_buffers[name])
+            dist.broadcast(buffer, src=0)
+    del full_state, full_buffers
+    return model
+
+
+def initial_device(cfg, ctx: DistContext, device: torch.device) -> torch.device | None:
+    """Where the built model goes before sharding: FSDP2 and pipeline ranks keep it where it was
+    built (CPU or meta) and place only their shards; everything else moves to the device now."""
+    if ctx.enabled and (cfg.sharding in FSDP2 or cfg.pipeline_parallel > 1 or cfg.tensor_parallel > 1):
+        return None
+    return device

@@ -1,0 +1,458 @@
+"""Closed-form memory estimate of a training run: one function per category, instant answers.
+
+The traced engine (memory/trace.py) runs the real step on fake tensors; this engine reproduces the
+same numbers from formulas, fast enough to search hundreds of candidate configurations. Every term
+is documented in docs/planner.md; the activation terms count exactly the tensors the transformers
+blocks save for backward (read off the tracker on tiny models, see tests/unit/memory/test_analytic.py).
+
+Structure: `model_shape` reads the architecture once (parameter counts by kind, from a `meta`
+build); `weights_bytes`, `gradient_bytes`, `optimizer_state_bytes`, `activation_bytes`,
+`temporary_bytes` and `runtime_overheads` each return bytes for one category; `analytic_estimate`
+assembles the peak. Features from other modules (sharding, offload, chunked loss, ...) add their
+own term function and one line in `analytic_estimate`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from memfit.config import RunConfig
+from memfit.memory.estimate import Estimate
+from memfit.memory.tracker import CATEGORIES
+
+MiB, GiB = 2**20, 2**30
+
+# --- named runtime overheads for CUDA (justified in docs/planner.md) ------------------------------
+CUDA_CONTEXT_BYTES = 500 * MiB       # driver context + kernel images (lazy loading); nvidia-smi shows it,
+                                     # torch.cuda.max_memory_reserved does not
+CUBLAS_WORKSPACE_BYTES = 32 * MiB    # cuBLAS(Lt) workspace, taken from the caching allocator (Hopper size)
+ALLOCATOR_SEGMENT_BYTES = 2 * MiB    # caching allocator: large blocks come from segments rounded to 2 MiB
+CPU_RUNTIME_BYTES = 1 * GiB          # python + torch + transformers imported (measured RSS on CPU, ~0.9 GiB)
+
+# Optimizer state bytes per trainable parameter, by state dtype: (bytes if fp32 weights, if 16-bit weights).
+# 8-bit states carry one fp32 scale per 2048-value block (bitsandbytes blockwise quantization).
+_OPTIMIZER_STATES = {
+    "adamw": (8.0, 4.0), "sgd": (4.0, 2.0), "lion": (4.0, 2.0),
+    "adamw-8bit": (2.0 + 8 / 2048, 2.0 + 8 / 2048), "paged-adamw-8bit": (2.0 + 8 / 2048, 2.0 + 8 / 2048),
+    "lion-8bit": (1.0 + 4 / 2048, 1.0 + 4 / 2048),
+    "adafactor": (0.0, 0.0),  # factored: rows + columns per matrix, computed in optimizer_state_bytes
+}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the formulas need to know about an architecture (counted once from a meta build)."""
+
+    family: str                 # "llama" (gated MLP, RMSNorm) or "gpt" (plain MLP, LayerNorm)
+    layers: int
+    hidden: int
+    q_dim: int                  # attention heads x head_dim
+    kv_dim: int                 # key/value heads x head_dim
+    heads: int
+    head_dim: int
+    intermediate: int           # per-expert MLP width
+    vocab: int
+    experts_per_token: int      # 1 for dense models
+    norms_per_layer: int
+    total_params: int
+    embedding_params: int       # input embeddings (+ positions)
+    lm_head_params: int         # 0 when tied to the embeddings
+    linear: tuple = field(default=())  # (module name, in_features, out_features) of every block linear
+
+    @property
+    def block_linear_params(self) -> int:
+        return sum(i * o for _, i, o in self.linear)
+
+
+@lru_cache(maxsize=64)
+def _shape_cached(config_json: str) -> ModelShape:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+    import json
+
+    raw = json.loads(config_json)
+    config = AutoConfig.for_model(**raw)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embed = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embed.weight
+    embedding_params = embed.weight.numel() + sum(
+        m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m is not embed)
+    linear = []
+    for name, module in model.named_modules():
+        if module is head:
+            continue
+        if isinstance(module, torch.nn.Linear):
+            linear.append((name, module.in_features, module.out_features))
+        elif type(module).__name__ == "Conv1D":  # GPT-2's transposed linear
+            linear.append((name, module.weight.shape[0], module.weight.shape[1]))
+    total = sum(p.numel() for p in model.parameters())
+    text = getattr(config, "get_text_config", lambda: config)()
+    hidden = text.hidden_size
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
+        kv_heads = 1  # falcon-7b
+    gated = text.model_type not in ("gpt2", "phi", "falcon", "gpt_neox", "gpt_bigcode", "opt")
+    intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
+    if text.model_type == "falcon":
+        intermediate = getattr(text, "ffn_hidden_size", None) or 4 * hidden
+    layers = text.num_hidden_layers
+    norms = 4 if text.model_type in ("gemma2", "gemma3_text") else 2
+    if text.model_type in ("phi", "falcon") and not getattr(text, "new_decoder_architecture", False):
+        norms = 1  # parallel attention + MLP share one input norm
+    return ModelShape(
+        family="llama" if gated else "gpt", layers=layers, hidden=hidden, q_dim=heads * head_dim,
+        kv_dim=kv_heads * head_dim, heads=heads, head_dim=head_dim, intermediate=intermediate,
+        vocab=text.vocab_size, experts_per_token=getattr(text, "num_experts_per_tok", None) or 1,
+        norms_per_layer=norms, total_params=total, embedding_params=embedding_params,
+        lm_head_params=0 if (tied or head is None) else head.weight.numel(), linear=tuple(linear))
+
+
+def model_shape(model_config) -> ModelShape:
+    """The architecture numbers of a transformers config (cached: a meta build takes ~0.05-1 s)."""
+    import json
+
+    raw = {k: v for k, v in model_config.to_dict().items()
+           if k not in ("_name_or_path", "transformers_version", "auto_map", "architectures_")}
+    return _shape_cached(json.dumps(raw, sort_keys=True, default=str))
+
+
+# --- which parameters train ------------------------------------------------------------------------
+def _is_target(name: str, targets) -> bool:
+    if targets == "all-linear":
+        return True
+    leaf = name.rsplit(".", 1)[-1]
+    return any(leaf == t or name.endswith("." + t) or name == t for t in targets)
+
+
+def adapted_linears(shape: ModelShape, cfg: RunConfig) -> list[tuple[str, int, int]]:
+    """The block linears that get LoRA adapters (peft matches on the module name's suffix)."""
+    if cfg.method == "full":
+        return []
+    return [m for m in shape.linear if _is_target(m[0], cfg.lora.targets)]
+
+
+def lora_params(shape: ModelShape, cfg: RunConfig) -> int:
+    r = cfg.lora.rank
+    return sum(r * (i + o) for _, i, o in adapted_linears(shape, cfg))
+
+
+def trainable_params(shape: ModelShape, cfg: RunConfig) -> int:
+    if cfg.method == "full":
+        return shape.total_params
+    extra = 0
+    if getattr(cfg.lora, "train_embeddings", False):
+        extra += shape.embedding_params
+    if getattr(cfg.lora, "train_lm_head", False):
+        extra += shape.lm_head_params or shape.embedding_params
+    return lora_params(shape, cfg) + extra
+
+
+def _weight_size(cfg: RunConfig) -> int:
+    """Bytes per parameter of the model's weights (fp32 master weights unless bf16-pure)."""
+    return 2 if cfg.precision == "bf16-pure" else 4
+
+
+def _compute_size(cfg: RunConfig) -> int:
+    """Bytes per element of matmul outputs: 2 under 16-bit autocast, else the weights' size."""
+    return 2 if cfg.precision in ("bf16-mixed", "fp16-mixed") else _weight_size(cfg)
+
+
+def _quant_mode(cfg: RunConfig) -> str:
+    if cfg.method != "qlora":
+        return getattr(cfg, "quant", "none") or "none"
+    quant = getattr(cfg, "quant", "none")
+    return "nf4-dq" if quant in (None, "none") else quant
+
+
+def quantized_bytes_per_param(mode: str) -> float:
+    """Storage of one quantized base weight, block scales included (bitsandbytes layout).
+
+    nf4/fp4: 4 bits + one fp32 absmax per 64 values. nf4-dq: the absmax is itself quantized to
+    8 bits (1 byte per 64 values) with one fp32 scale per 256 blocks. int8 (LLM.int8): 1 byte +
+    one fp32 scale per output row (negligible per value, counted as 0)."""
+    return {"nf4": 0.5 + 4 / 64, "fp4": 0.5 + 4 / 64, "nf4-dq": 0.5 + 1 / 64 + 4 / (64 * 256),
+            "int8": 1.0}[mode]
+
+
+# --- categories --------------------------------------------------------------------------------------
+def weights_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Base weights (quantized block linears under QLoRA/int8) + LoRA adapters (fp32: peft upcasts)."""
+    size = _weight_size(cfg)
+    quant = _quant_mode(cfg)
+    if quant != "none":
+        block = shape.block_linear_params
+        rest = shape.total_params - block
+        rest_size = 4 if cfg.precision == "fp32" else 2  # non-quantized weights in the compute dtype
+        base = math.ceil(block * quantized_bytes_per_param(quant)) + rest * rest_size
+    else:
+        base = shape.total_params * size
+    return base + lora_params(shape, cfg) * 4
+
+
+def _trainable_size(cfg: RunConfig) -> int:
+    return 4 if cfg.method != "full" else _weight_size(cfg)  # adapters are fp32 (peft's autocast_adapter_dtype)
+
+
+def gradient_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """One gradient per trainable parameter, in the parameter's dtype."""
+    return trainable_params(shape, cfg) * _trainable_size(cfg)
+
+
+def optimizer_state_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Optimizer states per trainable parameter (see the table in strategies/optimizers.py)."""
+    n = trainable_params(shape, cfg)
+    if cfg.optimizer == "adafactor":
+        # row + column second-moment factors per matrix, fp32
+        mats = shape.linear if cfg.method == "full" else []
+        factored = sum(i + o for _, i, o in mats) + shape.total_params - shape.block_linear_params
+        if cfg.method != "full":
+            factored = sum(i + cfg.lora.rank + cfg.lora.rank + o for _, i, o in adapted_linears(shape, cfg))
+        return factored * 4
+    fp32, half = _OPTIMIZER_STATES[cfg.optimizer]
+    per = fp32 if _trainable_size(cfg) == 4 else half
+    return math.ceil(n * per)
+
+
+def _layer_activation_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> float:
+    """Bytes one decoder layer saves for backward, per token (not counting attention scores).
+
+    Derived from the tensors the transformers blocks keep alive between forward and backward:
+    the residual stream (read by each norm's backward), each norm's normalised input, what every
+    trainable linear needs (its input; under autocast each linear keeps its own 16-bit copy of its
+    input), the attention inputs/output (q, k, v, out, log-sum-exp) and the MLP intermediates."""
+    h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate * shape.experts_per_token
+    p, c = _weight_size(cfg), _compute_size(cfg)
+    mixed = c != p
+    full = cfg.method == "full"
+    adapted = {name.rsplit(".", 1)[-1] for name, _, _ in adapted_linears(shape, cfg)}
+
+    def trains(*names) -> int:  # number of these linears whose input must be saved
+        return sum(1 for n in names if full or n in adapted)
+
+    # residual stream: the input of each norm (its backward reads it). A bf16 model's RMSNorm keeps an
+    # fp32 copy of its input instead, so there the residual itself is not kept.
+    pure = cfg.precision == "bf16-pure"
+    total = 0 if pure else shape.norms_per_layer * h * p
+    # norm internals: fp32 x*rsqrt (kept for the norm weight's gradient), rsqrt; bf16 model: fp32 copy of
+    # x and the 16-bit normalised value
+    norm_inner = (4 * h + 2 * h * full if pure else 4 * h * full) + 4
+    if shape.family == "gpt":  # LayerNorm keeps mean and rstd, and its normalised output for the weight grad
+        norm_inner = (p * h if full else 0) + 8
+    total += shape.norms_per_layer * norm_inner
+    # linear inputs: the attention-block input (q, k, v) and the MLP input (gate, up / fc1)
+    attn_in = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+    mlp_in = ("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "dense_h_to_4h", "w1", "w3")
+    n_attn = trains(*[n for n in attn_in if any(m[0].endswith("." + n) for m in shape.linear)])
+    n_mlp = trains(*[n for n in mlp_in if any(m[0].endswith("." + n) for m in shape.linear)])
+    if mixed:
+        total += (n_attn + n_mlp) * c * h
+    else:
+        total += ((n_attn > 0) + (n_mlp > 0)) * p * h
+    # attention: q (after RoPE), k, v, the output (also the o_proj input), log-sum-exp (fp32 per head)
+    total += c * (2 * q + 2 * kv) + 4 * shape.heads
+    # MLP: gated = up, gate, act(gate) and their product (the down_proj input, kept only if it trains)
+    down = trains("down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2")
+    if shape.family == "llama":
+        total += c * i * (3 + (1 if down else 0))
+    else:  # fc1 output (kept by the activation) + activation output (the fc2 input)
+        total += c * i * (1 + (1 if down else 0))
+    # LoRA: each adapter keeps its rank-r intermediate (the input is already counted above)
+    total += len(adapted) * cfg.lora.rank * 4 if not full else 0
+    return total
+
+
+def _attention_scores_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Eager attention keeps the [batch, heads, seq, seq] probabilities (fp32 softmax, + a 16-bit copy)."""
+    if cfg.attention != "eager":
+        return 0
+    per = 4 if _compute_size(cfg) == 4 else 6
+    return cfg.micro_batch * shape.heads * cfg.seq_len * cfg.seq_len * per
+
+
+def _checkpointed_layers(shape: ModelShape, cfg: RunConfig) -> int:
+    every = cfg.checkpoint_every
+    return 0 if not every else math.ceil(shape.layers / every)
+
+
+def _weight_copies_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Under autocast every matmul keeps the 16-bit copy of its weight that it computed with
+    (needed for the input gradient); checkpointed layers recompute theirs in the backward."""
+    if _compute_size(cfg) == _weight_size(cfg) or _quant_mode(cfg) != "none":
+        return 0
+    per_layer = shape.block_linear_params / shape.layers
+    live_layers = shape.layers - _checkpointed_layers(shape, cfg)
+    head = shape.lm_head_params or shape.embedding_params
+    return int(2 * (per_layer * live_layers + head))
+
+
+def _norm_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> float:
+    """One norm: its input (unless a bf16 model's fp32 copy replaces it) and its internals."""
+    h, p, full = shape.hidden, _weight_size(cfg), cfg.method == "full"
+    if cfg.precision == "bf16-pure":
+        return 4 * h + 2 * h * full + 4
+    return h * p + 4 * h * full + 4
+
+
+def _layer_bytes(shape: ModelShape, cfg: RunConfig) -> float:
+    """Everything one decoder layer saves for one micro-batch."""
+    tokens = cfg.micro_batch * cfg.seq_len
+    return _layer_activation_bytes_per_token(shape, cfg) * tokens + _attention_scores_bytes(shape, cfg)
+
+
+def _loss_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """The log-softmax output the cross-entropy keeps, fp32 (transformers upcasts the logits)."""
+    return cfg.micro_batch * cfg.seq_len * shape.vocab * 4
+
+
+def activation_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Tensors saved for backward at the end of one micro-batch's forward (the backward's start)."""
+    tokens = cfg.micro_batch * cfg.seq_len
+    p, c, full = _weight_size(cfg), _compute_size(cfg), cfg.method == "full"
+    ckpt = _checkpointed_layers(shape, cfg)
+    layers = (shape.layers - ckpt) * _layer_bytes(shape, cfg) + ckpt * tokens * shape.hidden * p  # ckpt: input only
+    if not full:  # the first layer's input is the frozen embedding's output: no gradient, not kept
+        layers -= tokens * shape.hidden * p if shape.layers > ckpt else 0
+    final_norm = tokens * _norm_bytes_per_token(shape, cfg)
+    # lm_head input: kept when lm_head trains, or as the 16-bit autocast copy; shared in fp32
+    head_input = tokens * shape.hidden * c if (c != p or full) else 0
+    rope = 2 * cfg.seq_len * shape.head_dim * p if shape.family == "llama" else 0
+    batch = 4 * tokens * 8  # input_ids, attention_mask, labels and the shifted labels, int64
+    return int(layers + final_norm + head_input + _loss_bytes(shape, cfg) + rope + batch
+               + _weight_copies_bytes(shape, cfg))
+
+
+def _layer_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
+    """Gradient buffers alive inside one layer's backward: in the MLP, the gradients of its
+    intermediates (down input, act output, up output: 3 x tokens x intermediate, 2 for a plain MLP)."""
+    tokens = cfg.micro_batch * cfg.seq_len
+    width = shape.intermediate * shape.experts_per_token
+    return int(tokens * width * _compute_size(cfg) * (3 if shape.family == "llama" else 2))
+
+
+def _dequant_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """QLoRA: one base linear dequantized to the compute dtype at a time (forward and backward)."""
+    return max(i * o for _, i, o in shape.linear) * 2 if _quant_mode(cfg) != "none" else 0
+
+
+def _optimizer_scratch(shape: ModelShape, cfg: RunConfig) -> int:
+    """torch AdamW/SGD/Adafactor (foreach) build one scratch copy of the trainable parameters
+    (e.g. Adam's denominator); bitsandbytes/torchao 8-bit optimizers update block by block."""
+    if cfg.optimizer in ("adamw", "sgd", "adafactor"):
+        return trainable_params(shape, cfg) * _trainable_size(cfg)
+    return 0
+
+
+def peak_candidates(shape: ModelShape, cfg: RunConfig) -> dict[str, dict[str, int]]:
+    """Bytes per category at the moments where a step can peak; the largest total is the peak.
+
+    backward_start  all activations + the loss gradient (d log-softmax and d logits, fp32 T x V)
+    backward_last   the last layer's backward: the log-softmax output is freed, that layer's MLP
+                    gradient buffers (and, if checkpointed, its recomputed activations) are alive
+    backward_first  the first layer's backward: only its activations remain, nearly all gradients exist
+    optimizer_step  weights + gradients + states + the optimizer's scratch
+    Under gradient accumulation, the gradients of earlier micro-batches are alive throughout."""
+    tokens = cfg.micro_batch * cfg.seq_len
+    weights = weights_bytes(shape, cfg)
+    grads = gradient_bytes(shape, cfg)
+    states = optimizer_state_bytes(shape, cfg)
+    acts = activation_bytes(shape, cfg)
+    layer = int(_layer_bytes(shape, cfg))
+    buffers = _layer_gradient_buffers(shape, cfg) + _dequant_bytes(shape, cfg)
+    accumulated = grads if cfg.grad_accum > 1 else 0
+    ckpt_every = cfg.checkpoint_every
+    last_ckpt = bool(ckpt_every) and (shape.layers - 1) % ckpt_every == 0
+    # the first layer's backward: everything else freed; its own activations (recomputed if checkpointed)
+    grads_before_first = grads - (grads // shape.layers if cfg.method == "full" else 0)
+    small = 4 * tokens * 8 + 2 * cfg.seq_len * shape.head_dim * 4
+    base = dict(weights=weights, optimizer_states=states)
+    return {
+        "backward_start": dict(base, gradients=accumulated, activations=acts,
+                               temporaries=2 * _loss_bytes(shape, cfg) + _dequant_bytes(shape, cfg)),
+        "backward_last": dict(base, gradients=accumulated, activations=acts - _loss_bytes(shape, cfg),
+                              temporaries=buffers + (layer if last_ckpt else 0)),
+        "backward_first": dict(base, gradients=max(accumulated, grads_before_first),
+                               activations=small + (0 if ckpt_every else layer),
+                               temporaries=buffers + (layer if ckpt_every else 0)),
+        "optimizer_step": dict(base, gradients=grads, activations=0, temporaries=_optimizer_scratch(shape, cfg)),
+    }
+
+
+def runtime_overheads(cfg: RunConfig, device: str, transient_bytes: int) -> dict[str, int]:
+    """Memory the tracker cannot see. On CUDA: the context (outside the allocator), the cuBLAS
+    workspace, and the allocator's reserve: blocks freed by the forward/backward are cached and
+    cannot always serve differently-sized requests, so the reserve grows by about the largest
+    transient block plus one 2 MiB segment per layer's small tensors."""
+    if device != "cuda":
+        return {}
+    return {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES,
+            "allocator_reserve": int(transient_bytes)}
+
+
+def cpu_ram_bytes(shape: ModelShape, cfg: RunConfig, device: str) -> dict[str, int]:
+    """Host RAM: the runtime, the loading path, the data side, anything offloaded."""
+    terms = {"runtime": CPU_RUNTIME_BYTES}
+    # safetensors are memory-mapped; from_pretrained materialises one full copy in the load dtype
+    # (on CUDA it then moves to the GPU and the host copy is freed, so the peak is one copy).
+    load = shape.total_params * (2 if cfg.precision != "fp32" else 4)
+    terms["model_load"] = load
+    try:  # the data engineer's estimate when present
+        from memfit.data.ram import estimate_data_ram_bytes  # type: ignore
+        terms["data"] = int(estimate_data_ram_bytes(cfg))
+    except Exception:  # noqa: BLE001 - optional module; fall back to a documented simple term
+        terms["data"] = 256 * MiB
+    if device == "cpu":  # training on CPU: the whole training state lives in RAM
+        terms["training_state"] = 0  # filled in by analytic_estimate
+    return terms
+
+
+def shard_model_states(by_category: dict[str, int], cfg: RunConfig, gpus: int) -> dict[str, int]:
+    """ZeRO stages divide the model states over the data-parallel ranks (per-rank bytes):
+    zero1 optimizer states, zero2 + gradients, zero3 + weights (FSDP keeps one layer gathered:
+    not counted here). offload moves optimizer states (and with params/all the weights and
+    gradients) to host RAM. The distributed module may refine these terms."""
+    sharding, offload = getattr(cfg, "sharding", "none"), getattr(cfg, "offload", "none")
+    world = max(gpus // (getattr(cfg, "tensor_parallel", 1) * getattr(cfg, "pipeline_parallel", 1)), 1)
+    out = dict(by_category)
+    stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(sharding, 0)
+    for category, from_stage in (("optimizer_states", 1), ("gradients", 2), ("weights", 3)):
+        if stage >= from_stage:
+            out[category] = math.ceil(out[category] / world)
+    if offload != "none" and stage >= 2:
+        out["optimizer_states"] = 0
+        if offload in ("params", "all"):
+            out["weights"] = out["gradients"] = 0
+    return out
+
+
+def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", gpus: int = 1) -> Estimate:
+    """Closed-form estimate of one run's peak memory per device (see docs/planner.md)."""
+    if model_config is None:
+        from memfit.models.loading import load_model_config
+        model_config, _ = load_model_config(cfg.model)
+    shape = model_shape(model_config)
+    candidates = {k: shard_model_states(v, cfg, gpus) for k, v in peak_candidates(shape, cfg).items()}
+    where, by_category = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
+    by_category = {c: int(by_category.get(c, 0)) for c in CATEGORIES}
+    allocated = sum(by_category.values())
+    transient = max(c["temporaries"] for c in candidates.values()) + ALLOCATOR_SEGMENT_BYTES * shape.layers
+    overheads = runtime_overheads(cfg, device, transient)
+    reserved = allocated + overheads.get("cublas_workspace", 0) + overheads.get("allocator_reserve", 0)
+    ram = cpu_ram_bytes(shape, cfg, device)
+    if device == "cpu":
+        ram["training_state"] = allocated
+    notes = [f"peak at {where.replace('_', ' ')}"]
+    if device == "cuda":
+        notes.append("nvidia-smi would show peak_reserved_bytes + cuda_context")
+    return Estimate(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved, by_category=by_category,
+                    overheads=overheads, cpu_ram_bytes=int(sum(ram.values())), engine="analytic", notes=notes)
+
+
+def device_total_bytes(estimate: Estimate) -> int:
+    """What the whole GPU must hold (nvidia-smi): the allocator's reserve plus the CUDA context."""
+    return estimate.peak_reserved_bytes + estimate.overheads.get("cuda_context", 0)

@@ -1,0 +1,200 @@
+"""The traced estimate: run the trainer's own step on fake tensors and record its memory.
+
+`trace_estimate(cfg)` builds the model exactly as `memfit.train.loop.train` does, but on `meta`
+(no memory, no init), applies the same strategies, materialises it under `FakeTensorMode`
+(tensors that carry shape, dtype and device but no data, so nothing is computed or allocated),
+builds the real optimizer and runs `memfit.train.step.training_step` for two steps under the
+same `MemoryTracker` the trainer uses on real tensors. Step 1 allocates the optimizer states,
+step 2 is the steady state; the estimate is the peak over both. Because it is the very same
+code path, whatever a strategy changes about memory shows up here without a formula.
+
+What a fake run cannot do, and how each is handled:
+  * read a tensor's value (`.item()`, `float(t)`, `if t.all()`): `_FakeRunFixes` answers every such
+    read with a fixed value (True, 1, 1.0). These only steer control flow; the answers pick the
+    path of a full-length batch whose step is taken (no fp16 overflow): the worst case.
+  * fp16's GradScaler skips the optimizer step when it found inf/NaN; in the fake run it always
+    steps (`_always_step`), or the optimizer states would never be allocated.
+  * trace on CUDA: this CPU-only torch build can *create* fake CUDA tensors, but autograd on
+    them aborts the process (a C++ terminate in `InputMetadata`, not a catchable exception), and
+    SDPA would dispatch its CPU math kernel anyway since no CUDA kernels are compiled in. So the
+    trace always runs on the CPU device; see `docs/trace.md` for what differs on a CUDA run and
+    what `device="cuda"` changes here (allocator rounding, foreach optimizer kernels).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from contextlib import contextmanager
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from memfit.config import RunConfig
+from memfit.errors import MemfitError
+from memfit.memory.estimate import Estimate
+from memfit.memory.tracker import MemoryTracker
+from memfit.models.loading import build_model
+from memfit.strategies.adapters import apply_method
+from memfit.strategies.checkpointing import apply_checkpointing
+from memfit.strategies.optimizers import build_optimizer
+from memfit.strategies.precision import make_precision
+from memfit.train.step import training_step
+
+log = logging.getLogger(__name__)
+
+TRACE_DEVICE = torch.device("cpu")  # see the module docstring: fake CUDA autograd aborts on a CPU build
+TRACED_STEPS = 2  # step 1 allocates the optimizer states, step 2 is the steady state
+CUDA_BLOCK_BYTES = 512  # the CUDA caching allocator hands out multiples of 512 B (c10 kMinBlockSize)
+
+
+def cuda_block_bytes(nbytes: int) -> int:
+    """Bytes the CUDA caching allocator counts for a storage of `nbytes` (max_memory_allocated
+    sums these rounded block sizes; an empty storage allocates nothing)."""
+    return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+
+class _FakeRunFixes(TorchDispatchMode):
+    """Sits above FakeTensorMode. Answers reads of fake tensor values (`aten._local_scalar_dense`)
+    with fixed values, and runs ops whose tensor inputs are all real (the small real attention
+    mask of `fake_batch`, and what is derived from it) on real tensors, so that transformers'
+    value checks on the mask see real values."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
+        # Meta inputs (the model before `to_empty`) must become fake, never real.
+        if inputs and not any(isinstance(x, FakeTensor) or x.is_meta for x in inputs):
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
+        if func is torch.ops.aten._local_scalar_dense.default:
+            dtype = args[0].dtype
+            if dtype == torch.bool:
+                return True
+            return 1.0 if dtype.is_floating_point or dtype.is_complex else 1
+        return func(*args, **kwargs)
+
+
+def _always_step(scaler: torch.amp.GradScaler) -> None:
+    """Make the fp16 loss scaler take the optimizer step whatever its (fake) inf check says."""
+    scaler._maybe_opt_step = lambda optimizer, optimizer_state, *args, **kwargs: optimizer.step(*args, **kwargs)
+
+
+def _like_cuda_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """torch's optimizers pick their multi-tensor (foreach) kernels by default on CUDA and the
+    per-tensor loop on CPU; foreach allocates intermediates for all parameters of a group at once,
+    so a CUDA estimate must trace that path (it runs on CPU tensors too, with the same outputs)."""
+    if type(optimizer).__module__.startswith("torch.optim"):
+        for group in optimizer.param_groups:
+            if "foreach" in group and group["foreach"] is None and not group.get("fused"):
+                group["foreach"] = True
+
+
+def _materialise(model: torch.nn.Module) -> torch.nn.Module:
+    """meta -> fake tensors (call under FakeTensorMode). `to_empty` gives every parameter a new
+    tensor, which unties tied embeddings; re-tie them as loading does."""
+    model = model.to_empty(device=TRACE_DEVICE)
+    model.tie_weights()
+    return model
+
+
+def fake_batch(cfg: RunConfig, padded: bool) -> dict[str, torch.Tensor]:
+    """A micro-batch shaped like the loader's, every sequence at full length (the worst case).
+
+    input_ids and labels are fake. The attention mask (or, packed, the position ids) is a small
+    *real* tensor: transformers reads its values to decide whether attention needs an explicit
+    [batch, 1, seq, seq] mask, and treats a fake one as "cannot tell" (mask always built). With
+    `padded`, one position is padding (packed: one row holds two examples), so the mask is built,
+    as it is for any real batch with padding; without, the mask is skipped as for a batch of
+    full-length rows.
+    """
+    shape = (cfg.micro_batch, cfg.seq_len)
+    with _real_tensors():
+        if getattr(cfg, "packing", False):  # packed rows carry position_ids instead of an attention mask
+            positions = torch.arange(cfg.seq_len).expand(shape).clone()
+            if padded:
+                positions[-1, cfg.seq_len // 2:] -= cfg.seq_len // 2
+            real = {"position_ids": positions}
+        else:
+            mask = torch.ones(shape, dtype=torch.long)
+            if padded:
+                mask[-1, -1] = 0
+            real = {"attention_mask": mask}
+    return {"input_ids": torch.zeros(shape, dtype=torch.long), **real,
+            "labels": torch.zeros(shape, dtype=torch.long)}
+
+
+@contextmanager
+def _real_tensors():
+    """Step out of the active FakeTensorMode (and _FakeRunFixes) to make a real tensor."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes():
+        yield
+
+
+def target_device(cfg: RunConfig, device: str | None) -> torch.device:
+    name = device or cfg.device
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise MemfitError(f"device: cannot estimate for '{name}'; supported: cpu, cuda")
+    return torch.device(name)
+
+
+def trace_estimate(cfg: RunConfig, device: str | None = None, padded: bool | None = None) -> Estimate:
+    """Peak memory of `cfg`'s training run on `device` (default: cfg.device), traced on fake tensors.
+
+    `padded` (see `fake_batch`): whether the traced batch holds padding. Default: yes when
+    micro_batch > 1 or packing (the loader pads rows to the longest in the batch, so such batches
+    usually do), no for one unpacked sequence per micro-batch (never padded).
+    """
+    if padded is None:
+        padded = cfg.micro_batch > 1 or bool(getattr(cfg, "packing", False))
+    started = time.perf_counter()
+    target = target_device(cfg, device)
+    notes: list[str] = []
+    attention = cfg.attention
+    if attention == "flash":
+        # flash-attn is CUDA-only; PyTorch's SDPA flash kernel keeps the same tensors (no seq x seq scores).
+        attention = "sdpa"
+        notes.append("attention: flash traced with SDPA (same saved tensors: output and log-sum-exp)")
+    precision = make_precision(cfg.precision, TRACE_DEVICE)
+    if precision.scaler is not None:
+        _always_step(precision.scaler)
+    model = build_model(cfg.model, attention, dtype=precision.weight_dtype, on_meta=True)
+    model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg)
+    tracker = MemoryTracker(cuda_block_bytes if target.type == "cuda" else None)
+
+    with FakeTensorMode(allow_non_fake_inputs=True), _FakeRunFixes():
+        model = _materialise(model)
+        model.train()
+        params = [p for p in model.parameters() if p.requires_grad]
+        # Built for the trace device: paged-adamw-8bit then runs as plain 8-bit AdamW, same state bytes.
+        optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend,
+                                    TRACE_DEVICE)
+        if target.type == "cuda":
+            _like_cuda_optimizer(optimizer)
+        # The same sequence of tracker calls as memfit.train.loop.train.
+        with tracker:
+            tracker.tag_module(model)
+            for _ in range(TRACED_STEPS):
+                micro_batches = [fake_batch(cfg, padded) for _ in range(cfg.grad_accum)]
+                for batch in micro_batches:
+                    tracker.tag(batch.values(), "activations")
+                training_step(model, optimizer, micro_batches, precision, tracker, params, cfg.max_grad_norm)
+
+    peak = tracker.peak_bytes
+    if target.type == "cuda" and cfg.optimizer == "paged-adamw-8bit":
+        notes.append("paged-adamw-8bit: its states live in CUDA unified memory, which "
+                     "max_memory_allocated does not count; they are included here")
+    estimate = Estimate(peak_allocated_bytes=peak, peak_reserved_bytes=peak,
+                        by_category=tracker.peak_by_category(), engine="traced", notes=notes)
+    if target.type == "cpu":
+        estimate.cpu_ram_bytes = peak  # on CPU the training tensors are host RAM
+    else:
+        notes.append("allocator: block sizes rounded up to 512 B; runtime overheads not included")
+    log.info("traced estimate of %s on %s in %.1f s", cfg.model.name, target.type, time.perf_counter() - started)
+    return estimate

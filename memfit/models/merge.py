@@ -1,0 +1,116 @@
+"""Adapter outputs: a base that can be found again, and the merged full model.
+
+A LoRA/QLoRA run writes its adapter in PEFT's own format (adapter_config.json +
+adapter_model.safetensors; `peft.PeftModel.from_pretrained(base, run_dir)` loads it).
+
+Which base? An adapter is only meaningful with the exact base it was trained on:
+  - base with weights of its own (a local folder with safetensors, or a hub id): that is the base;
+    `memfit merge` loads it again and, for a quantized run, quantizes and dequantizes it the same
+    (deterministic) way training did, so it merges into the weights training actually saw.
+  - base without weights (a preset or config-only folder: random initialisation): the run saves
+    the base it trained on to `RUN_DIR/base_model/` (safetensors, base dtype; for a quantized run
+    the dequantized weights training saw) and points adapter_config.json's base_model_name_or_path
+    at it, so `AutoPeftModelForCausalLM.from_pretrained(RUN_DIR)` and `memfit merge` find it.
+
+`memfit merge RUN_DIR` (or `merge: true`) writes `RUN_DIR/merged/`: base + adapters merged into
+plain weights, the base dtype, safetensors, loadable with `AutoModelForCausalLM.from_pretrained`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from memfit.config import ModelConfig, RunConfig, load_config
+from memfit.errors import MemfitError, require
+
+log = logging.getLogger(__name__)
+BASE_DIR = "base_model"
+MERGED_DIR = "merged"
+_BASE_DTYPE = {"bf16-pure": torch.bfloat16}  # every other precision keeps fp32 weights
+
+
+def base_dtype(cfg: RunConfig) -> torch.dtype:
+    return _BASE_DTYPE.get(cfg.precision, torch.float32)
+
+
+def save_adapter_outputs(model: nn.Module, cfg: RunConfig, out: Path) -> None:
+    """After the adapter is saved: keep a random-init base next to it, and merge if asked.
+    Called at the end of training; it unloads the adapters from `model` (no further use)."""
+    from memfit.models.loading import has_weights
+
+    if cfg.method == "full":
+        return
+    if not has_weights(cfg.model):
+        save_trained_base(model, cfg, out)
+    if cfg.merge:
+        merge_run(out, overwrite=True)
+
+
+def save_trained_base(model: nn.Module, cfg: RunConfig, out: Path) -> Path:
+    """Write the (dequantized) frozen base of a PeftModel to out/base_model in the base dtype."""
+    from memfit.strategies.quantization import dequantize_model
+
+    base = model.unload()  # the original modules back, adapters dropped (they are saved already)
+    dequantize_model(base, base_dtype(cfg)).to(base_dtype(cfg))
+    target = out / BASE_DIR
+    base.save_pretrained(target, safe_serialization=True)
+    adapter_config = out / "adapter_config.json"
+    if adapter_config.is_file():
+        data = json.loads(adapter_config.read_text())
+        data["base_model_name_or_path"] = str(target.resolve())
+        adapter_config.write_text(json.dumps(data, indent=2) + "\n")
+    log.info("base model (random initialisation) saved to %s so the adapter can be reloaded and merged", target)
+    return target
+
+
+def load_base(run_dir: Path, cfg: RunConfig) -> nn.Module:
+    """The base exactly as training saw it (dequantized when the run quantized it)."""
+    from transformers import AutoModelForCausalLM
+
+    from memfit.models.loading import build_model
+    from memfit.strategies.quantization import compute_dtype, dequantize_model, quantize_model
+
+    dtype = base_dtype(cfg)
+    if (run_dir / BASE_DIR).is_dir():
+        return AutoModelForCausalLM.from_pretrained(run_dir / BASE_DIR, dtype=dtype)
+    base = build_model(ModelConfig(**cfg.model.model_dump()), cfg.attention, dtype=dtype)
+    if cfg.quant != "none":
+        quantize_model(base, cfg.quant, cfg.quant_backend, compute_dtype(cfg))
+        dequantize_model(base, dtype)
+    return base
+
+
+def merge_run(run_dir: str | Path, output: str | Path | None = None, overwrite: bool = False) -> Path:
+    """Merge the run's adapter into its base; write a full safetensors model. Returns the folder."""
+    peft = require("peft", "memfit merge")
+    run_dir = Path(run_dir)
+    if not (run_dir / "adapter_config.json").is_file():
+        raise MemfitError(f"{run_dir} holds no adapter (adapter_config.json): memfit merge needs the output_dir "
+                          "of a method: lora or qlora run")
+    if not (run_dir / "run_config.yaml").is_file():
+        raise MemfitError(f"{run_dir} holds no run_config.yaml: memfit merge needs the output_dir of a memfit run")
+    cfg = load_config(run_dir / "run_config.yaml")
+    output = Path(output) if output else run_dir / MERGED_DIR
+    if (output / "config.json").exists() and not overwrite:
+        raise MemfitError(f"{output} already holds a model; choose another --output or pass --overwrite")
+    base = load_base(run_dir, cfg)
+    merged = peft.PeftModel.from_pretrained(base, run_dir).merge_and_unload()
+    merged = merged.to(base_dtype(cfg))
+    output.mkdir(parents=True, exist_ok=True)
+    merged.save_pretrained(output, safe_serialization=True)
+    _copy_tokenizer(run_dir, output)
+    log.info("merged model written to %s", output)
+    return output
+
+
+def _copy_tokenizer(run_dir: Path, output: Path) -> None:
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                 "vocab.json", "merges.txt", "tokenizer.model"):
+        if (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, output / name)

@@ -1,0 +1,130 @@
+"""Activation offloading: tensors saved for backward wait in CPU memory instead of on the GPU.
+
+A `torch.autograd.graph.saved_tensors_hooks` pair around each forward: `pack` copies a
+saved activation to pinned host memory on a side CUDA stream (so the copy overlaps the
+forward's compute) and lets the GPU copy go; `unpack` copies it back when the backward
+needs it. The values are bit-identical, so gradients are identical to no offload.
+
+Not offloaded: parameters and views of parameters (the weights stay on the GPU anyway),
+tensors already on the CPU, and small tensors (below `min_bytes`, where the copy costs more
+than it saves). The copy back happens on demand in backward, one tensor at a time
+(no prefetching), so expect a slowdown roughly equal to the host-device traffic.
+
+On a CPU-only run activations already live in host memory: the strategy is a no-op and says so.
+"""
+
+from __future__ import annotations
+
+import logging
+from contextlib import nullcontext
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MIN_BYTES = 1 << 20  # 1 MiB
+
+
+class OffloadActivations:
+    """Use as a context manager around a forward pass (a new instance per forward is fine)."""
+
+    def __init__(self, params=(), min_bytes: int = DEFAULT_MIN_BYTES, device: str = "cpu",
+                 pin_memory: bool | None = None, force: bool = False, simulate: bool = False):
+        self.param_ids = {id(p) for p in params}
+        self.min_bytes, self.device = min_bytes, torch.device(device)
+        self.force = force  # copy even tensors already on `device` (exercises pack/unpack on a CPU run)
+        # The planner's trace (fake tensors, traced on the CPU for a CUDA target): drop the saved tensor and
+        # re-create one of the same shape in backward, so the tracker sees exactly the GPU bytes offloading
+        # frees and brings back, and no host copy (host memory is not the GPU's).
+        self.simulate = simulate
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.offloaded_bytes = 0  # what went to the host in this forward (for reports and tests)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+
+    def _keep(self, tensor: torch.Tensor) -> bool:
+        base = tensor._base if tensor._base is not None else tensor
+        return (isinstance(tensor, torch.nn.Parameter) or id(tensor) in self.param_ids or id(base) in self.param_ids
+                or (tensor.device == self.device and not self.force)
+                or tensor.untyped_storage().nbytes() < self.min_bytes)
+
+    def _pack(self, tensor: torch.Tensor):
+        if self.simulate and _is_fake(tensor):
+            if self._keep_simulated(tensor):
+                return tensor
+            self.offloaded_bytes += tensor.untyped_storage().nbytes()
+            return ("simulated", tensor.size(), tensor.stride(), tensor.dtype, tensor.device)
+        if self._keep(tensor):
+            return tensor
+        fake = _is_fake(tensor)  # the planner's trace: no real streams or pinned pages
+        host = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=self.device,
+                                   pin_memory=self.pin_memory and not fake)
+        event = None
+        if tensor.is_cuda and not fake:
+            stream = _side_stream(tensor.device)
+            stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor must be computed first
+            with torch.cuda.stream(stream):
+                host.copy_(tensor, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            tensor.record_stream(stream)  # the allocator must not reuse it before the copy ends
+        else:
+            host.copy_(tensor)
+        self.offloaded_bytes += tensor.untyped_storage().nbytes()
+        return (host, event, tensor.device, self.pin_memory and not fake)
+
+    def _keep_simulated(self, tensor: torch.Tensor) -> bool:
+        base = tensor._base if tensor._base is not None else tensor
+        return (isinstance(tensor, torch.nn.Parameter) or id(tensor) in self.param_ids or id(base) in self.param_ids
+                or tensor.untyped_storage().nbytes() < self.min_bytes)
+
+    @staticmethod
+    def _unpack(packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        if packed[0] == "simulated":
+            _, size, stride, dtype, device = packed
+            return torch.empty_strided(size, stride, dtype=dtype, device=device)
+        host, event, device, pinned = packed
+        if event is not None:
+            event.synchronize()  # the copy to host has finished (pinned memory is now valid)
+        return host.to(device, non_blocking=pinned)
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        return self._hooks.__exit__(*exc)
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+def activation_offload(enabled: bool, device: torch.device, params=(), min_bytes: int = DEFAULT_MIN_BYTES,
+                       traced: bool = False):
+    """The step's `saved_activations` context factory: `nullcontext` when off or on a CPU run.
+
+    traced: the planner's fake-tensor run estimating `device` (see OffloadActivations.simulate)."""
+    if not enabled:
+        return nullcontext
+    if traced and torch.device(device).type != "cpu":
+        params = list(params)
+        return lambda: OffloadActivations(params, min_bytes, simulate=True)
+    if torch.device(device).type == "cpu":
+        log.info("activation_offload: this run is on the CPU, where activations already live in host memory; "
+                 "nothing to offload (no-op)")
+        return nullcontext
+    params = list(params)
+    return lambda: OffloadActivations(params, min_bytes)

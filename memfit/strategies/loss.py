@@ -1,0 +1,92 @@
+"""The training loss: plain (the model's own) or chunked cross-entropy.
+
+The plain loss lets the model compute `logits = lm_head(hidden)` for every token and then
+upcasts them to fp32: for a 128k vocabulary at 8k tokens that is a 4 GiB fp32 tensor (plus
+the model-dtype copy and its gradient). The chunked loss runs the decoder, then applies
+`lm_head` + cross-entropy to a few tokens at a time under non-reentrant checkpointing, so
+only one chunk's logits exist at once in the forward and each chunk's logits are recomputed
+one chunk at a time in the backward. Same loss and gradients as the plain loss (summed
+per-token losses divided by the target tokens of the whole step), at the cost of one extra
+`lm_head` matmul per token.
+
+A loss function has the signature `loss_fn(model, batch, num_targets) -> scalar tensor`.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from memfit.errors import MemfitError
+
+log = logging.getLogger(__name__)
+
+IGNORE_INDEX = -100  # label that cross-entropy skips (Hugging Face / memfit.data convention)
+DEFAULT_CHUNK_TOKENS = 1024  # 1024 tokens x 128k vocab x 4 B = 512 MiB of fp32 logits per chunk
+
+
+def plain_loss(model: torch.nn.Module, batch: dict, num_targets: int) -> torch.Tensor:
+    """The model's own loss (Hugging Face's ForCausalLMLoss): full logits, then cross-entropy."""
+    return model(**batch, num_items_in_batch=num_targets).loss
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The transformers CausalLM under a PEFT wrapper (or the model itself)."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def split_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module, float | None]:
+    """(decoder that returns hidden states, lm_head module, final logit soft-cap or None)."""
+    base = _base_model(model)
+    head = base.get_output_embeddings() if hasattr(base, "get_output_embeddings") else None
+    decoder = getattr(base, getattr(base, "base_model_prefix", "model"), None)
+    if head is None or decoder is None or decoder is base:
+        raise MemfitError(f"chunked_loss: cannot find the decoder and lm_head of {type(base).__name__}; "
+                          "set chunked_loss: false for this model")
+    softcap = getattr(getattr(base, "config", None), "final_logit_softcapping", None)
+    return decoder, head, softcap
+
+
+def _chunk_loss_sum(head: torch.nn.Module, softcap: float | None, hidden: torch.Tensor,
+                    labels: torch.Tensor) -> torch.Tensor:
+    logits = head(hidden).float()  # fp32 like the plain loss; only this chunk's rows exist
+    if softcap:
+        logits = torch.tanh(logits / softcap) * softcap
+    return F.cross_entropy(logits, labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, num_targets: int,
+                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None) -> torch.Tensor:
+    """Sum over tokens of CE(head(hidden), next-token label) / num_targets, chunk by chunk.
+
+    hidden [batch, seq, hidden_size], labels [batch, seq] (unshifted, IGNORE_INDEX where no loss).
+    """
+    shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # token t predicts label t+1
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = shifted.reshape(-1)
+    piece = functools.partial(_chunk_loss_sum, head, softcap)
+    total = hidden.new_zeros((), dtype=torch.float32)
+    for h, y in zip(flat_hidden.split(chunk_tokens), flat_labels.split(chunk_tokens)):
+        # Non-reentrant checkpoint keeps only (h, y); the chunk's logits are rebuilt in backward.
+        total = total + checkpoint(piece, h, y, use_reentrant=False)
+    return total / num_targets
+
+
+def chunked_loss(model: torch.nn.Module, batch: dict, num_targets: int,
+                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+    """Drop-in for `plain_loss` that never materialises the full [tokens x vocab] logits."""
+    decoder, head, softcap = split_head(model)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}  # incl. position_ids of packed batches
+    hidden = decoder(**inputs, use_cache=False).last_hidden_state
+    return chunked_cross_entropy(hidden, batch["labels"], head, num_targets, chunk_tokens, softcap)
+
+
+def loss_function(chunked: bool, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+    """The loss a run uses: `plain_loss` when chunked is off (unchanged behaviour)."""
+    if not chunked:
+        return plain_loss
+    return functools.partial(chunked_loss, chunk_tokens=chunk_tokens)

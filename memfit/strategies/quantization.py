@@ -1,0 +1,315 @@
+"""Quantized base weights for LoRA/QLoRA: 4-bit (NF4, FP4, optional double quantization) or int8.
+
+Backends, first that works wins (`quant_backend: auto`):
+  bitsandbytes  `Linear4bit` (nf4, nf4-dq, fp4) and `Linear8bitLt` (int8). Runs on CUDA and, with
+                bitsandbytes 0.50, on CPU (both 4-bit and int8 were trained here on a 2-core CPU).
+  torchao       `NF4Tensor` weights in ordinary `nn.Linear` layers: the portable path. It always
+                double-quantizes its block scales, so `nf4` and `nf4-dq` both give its NF4 layout;
+                it has no fp4 or int8 base weights.
+
+Byte layout per quantized weight of N values (what the tracker and the planner count):
+  bitsandbytes nf4/fp4  N/2 B packed codes (uint8) + N/64 * 4 B absmax (fp32) + 64 B code table
+  bitsandbytes nf4-dq   N/2 B + N/64 * 1 B absmax (uint8) + N/16384 * 4 B second-level absmax (fp32)
+                        + 1 KiB second-level code table + 64 B code table + 4 B offset
+  torchao NF4           N/2 B + N/64 * 1 B scalers (int8) + N/(64*256) * 4 B factors (fp32)
+                        + 64 B NF4 table + 4 B scaler mean
+  bitsandbytes int8     N * 1 B (int8) + rows * 4 B scale (fp32)
+(small tables are per layer; "64 B code table" is 16 fp32 values).
+
+Real models keep bitsandbytes' block scales in a `quant_state` object the module system does not
+see; `track_quant_state` registers them as non-persistent buffers so that `module.buffers()` (and
+with it the memory tracker and `.to()`) include them. Quantize on the target device: a later
+`.to(other_device)` would copy those buffers apart from the quant_state.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from memfit.errors import MemfitError, MissingPackageError, require
+
+log = logging.getLogger(__name__)
+
+QUANT_BACKENDS = ("bitsandbytes", "torchao")
+FOUR_BIT = ("nf4", "nf4-dq", "fp4")
+_SUPPORTED = {"bitsandbytes": ("nf4", "nf4-dq", "fp4", "int8"), "torchao": ("nf4", "nf4-dq")}
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BNB_BLOCK = 64           # values per absmax (bitsandbytes' QLoRA default)
+TORCHAO_BLOCK = 64       # values per scaler
+TORCHAO_SCALER_BLOCK = 256  # scalers per fp32 quantization factor (reduced for small layers, see below)
+INT8_THRESHOLD = 6.0     # LLM.int8() outlier threshold, transformers' BitsAndBytesConfig default
+
+
+class QuantizationError(MemfitError):
+    pass
+
+
+def quant_problems(cfg) -> list[str]:
+    """Field combinations that cannot work, one message each (RunConfig validation calls this)."""
+    problems = []
+    if cfg.method == "full" and cfg.quant != "none":
+        problems.append(f"quant: {cfg.quant} freezes the base weights, so it needs method: lora or qlora "
+                        "(got method: full)")
+    if cfg.method == "qlora" and cfg.quant not in FOUR_BIT:
+        problems.append(f"quant: method: qlora needs 4-bit base weights ({', '.join(FOUR_BIT)}); got {cfg.quant} "
+                        "(for 8-bit base weights use method: lora with quant: int8)")
+    if cfg.quant_backend == "torchao" and cfg.quant not in ("none", *_SUPPORTED["torchao"]):
+        problems.append(f"quant_backend: torchao provides only nf4 / nf4-dq base weights, not {cfg.quant}; "
+                        "use quant_backend: bitsandbytes or auto")
+    if cfg.quant == "none" and cfg.quant_backend != "auto":
+        problems.append(f"quant_backend: {cfg.quant_backend} is set but quant is none; set quant or drop quant_backend")
+    if cfg.merge and cfg.method == "full":
+        problems.append("merge: true merges LoRA adapters into the base; method: full has none to merge")
+    return problems
+
+
+def compute_dtype(cfg) -> torch.dtype:
+    """dtype the dequantized weights are multiplied in; auto follows the precision setting."""
+    if cfg.compute_dtype != "auto":
+        return _DTYPES[cfg.compute_dtype]
+    return {"bf16-mixed": torch.bfloat16, "bf16-pure": torch.bfloat16, "fp16-mixed": torch.float16}.get(
+        cfg.precision, torch.float32)
+
+
+def choose_backend(quant: str, backend: str = "auto") -> str:
+    """The first backend that is installed and supports `quant`; a clear error listing them otherwise."""
+    candidates = QUANT_BACKENDS if backend == "auto" else (backend,)
+    tried = []
+    for name in candidates:
+        if quant not in _SUPPORTED[name]:
+            tried.append(f"{name}: has no {quant} base weights")
+            continue
+        try:
+            require("bitsandbytes" if name == "bitsandbytes" else "torchao.quantization", f"quant: {quant}",
+                    install=name)
+        except MissingPackageError as exc:
+            tried.append(f"{name}: not installed ({str(exc).split(' (')[0]})")
+            continue
+        return name
+    raise QuantizationError(f"quant: {quant}: no backend can provide it here; tried " + "; ".join(tried) +
+                            f". Supported backends: bitsandbytes ({', '.join(_SUPPORTED['bitsandbytes'])}), "
+                            f"torchao ({', '.join(_SUPPORTED['torchao'])})")
+
+
+def bitsandbytes_config(cfg):
+    """transformers' BitsAndBytesConfig for loading real weights straight into quantized layers."""
+    from transformers import BitsAndBytesConfig
+
+    if cfg.quant == "int8":
+        return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=INT8_THRESHOLD,
+                                  llm_int8_skip_modules=["lm_head"])
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4" if cfg.quant == "fp4" else "nf4",
+                              bnb_4bit_use_double_quant=cfg.quant == "nf4-dq",
+                              bnb_4bit_compute_dtype=compute_dtype(cfg), llm_int8_skip_modules=["lm_head"])
+
+
+def quantized_loading(cfg, device: torch.device | None = None) -> dict:
+    """from_pretrained kwargs that load real weights straight into bitsandbytes layers ({} when the
+    base is not quantized or the backend is torchao, which quantizes after loading)."""
+    if cfg.method == "full" or cfg.quant == "none" or choose_backend(cfg.quant, cfg.quant_backend) != "bitsandbytes":
+        return {}
+    return {"quantization_config": bitsandbytes_config(cfg), "device_map": {"": str(device or "cpu")}}
+
+
+# --- what is quantized ---------------------------------------------------------------------------
+
+def is_quantized_linear(module: nn.Module) -> bool:
+    weight = getattr(module, "weight", None)
+    if weight is None or not isinstance(module, nn.Linear):
+        return False
+    return (type(weight).__name__ in ("Params4bit", "Int8Params") or _is_nf4(weight)
+            or getattr(weight, "quant_state", None) is not None or weight.dtype == torch.int8)
+
+
+def _is_nf4(tensor) -> bool:
+    return type(tensor).__name__ == "NF4Tensor"
+
+
+def is_quantized(model: nn.Module) -> bool:
+    return any(is_quantized_linear(m) for m in model.modules())
+
+
+def _is_fake(tensor: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    return isinstance(tensor, FakeTensor)
+
+
+def _linears_to_quantize(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """Every nn.Linear except the output head (kept in high precision, as QLoRA does)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    found = []
+    for parent in model.modules():
+        for name, child in parent.named_children():
+            if type(child) is nn.Linear and child is not head:
+                found.append((parent, name, child))
+    return found
+
+
+# --- quantize --------------------------------------------------------------------------------------
+
+def quantize_model(model: nn.Module, quant: str, backend: str = "auto",
+                   dtype: torch.dtype = torch.float32) -> nn.Module:
+    """Replace the base Linear layers by quantized ones, in place. No-op for quant none or a model
+    already quantized (e.g. loaded with a BitsAndBytesConfig). `dtype` is the compute dtype."""
+    if quant == "none":
+        return model
+    if not is_quantized(model):
+        chosen = choose_backend(quant, backend)
+        if any(p.device.type == "meta" for p in model.parameters()):
+            raise QuantizationError(f"quant: {quant}: cannot quantize weights on the meta device; materialise the "
+                                    "model first (to_empty under FakeTensorMode for a trace, or real weights)")
+        make = {"bitsandbytes": _bnb_linear, "torchao": _torchao_linear}[chosen]
+        for parent, name, linear in _linears_to_quantize(model):
+            setattr(parent, name, make(linear, quant, dtype))
+        log.info("quantized the base Linear layers to %s with %s", quant, chosen)
+    if quant == "int8":
+        model.is_loaded_in_8bit = True  # tells peft to wrap with its bitsandbytes 8-bit LoRA layer
+    elif any(type(m).__name__ == "Linear4bit" for m in model.modules()):
+        model.is_loaded_in_4bit = True  # tells peft to wrap with its bitsandbytes 4-bit LoRA layer
+    track_quant_state(model)
+    return model
+
+
+def _bnb_linear(linear: nn.Linear, quant: str, dtype: torch.dtype) -> nn.Module:
+    bnb = require("bitsandbytes", f"quant: {quant}")
+    weight, device = linear.weight.detach(), linear.weight.device
+    fake = _is_fake(weight)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():  # bitsandbytes' modules cannot be constructed inside FakeTensorMode
+        if quant == "int8":
+            new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                      has_fp16_weights=False, threshold=INT8_THRESHOLD, device="meta")
+        else:
+            new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                                    compute_dtype=dtype, compress_statistics=quant == "nf4-dq",
+                                    quant_type="fp4" if quant == "fp4" else "nf4", device="meta")
+    if linear.bias is not None:
+        new.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+    if fake:
+        # bitsandbytes' Params4bit / Int8Params cannot wrap a FakeTensor; the planner's trace gets a
+        # plain Parameter holding the same quantized tensors (bitsandbytes' ops have fake kernels).
+        _bnb_fake_weight(new, weight, quant)
+        return new
+    if quant == "int8":
+        new.weight = bnb.nn.Int8Params(weight.clone(), requires_grad=False, has_fp16_weights=False)
+    else:
+        new.weight = bnb.nn.Params4bit(weight.clone(), requires_grad=False, blocksize=BNB_BLOCK,
+                                       compress_statistics=quant == "nf4-dq", quant_type=new.weight.quant_type,
+                                       quant_storage=torch.uint8, module=new)
+    return new.to(device)  # bitsandbytes quantizes when the weight moves to its device
+
+
+def _bnb_fake_weight(new: nn.Module, weight: torch.Tensor, quant: str) -> None:
+    bnb = require("bitsandbytes", f"quant: {quant}")
+    if quant == "int8":
+        scale = weight.abs().amax(dim=1).float()  # row-wise absmax, as Int8Params keeps in SCB
+        new.weight = nn.Parameter(weight.to(torch.int8), requires_grad=False)
+        new.weight.SCB = new.state.SCB = scale
+        new.weight.CB = new.state.CB = None
+        new.weight.has_fp16_weights = False
+        return
+    packed, state = bnb.functional.quantize_4bit(weight, blocksize=BNB_BLOCK, compress_statistics=quant == "nf4-dq",
+                                                 quant_type="fp4" if quant == "fp4" else "nf4",
+                                                 quant_storage=torch.uint8)
+    new.weight = nn.Parameter(packed, requires_grad=False)
+    new.weight.quant_state = new.quant_state = state
+    new.weight.compress_statistics, new.weight.quant_type = quant == "nf4-dq", state.quant_type
+    new.weight.bnb_quantized, new.weight.blocksize = True, BNB_BLOCK
+
+
+def _torchao_linear(linear: nn.Linear, quant: str, dtype: torch.dtype) -> nn.Linear:
+    from torchao.quantization import to_nf4
+
+    weight = linear.weight.detach()
+    # torchao groups scalers in blocks of 256 and needs the block count to divide evenly: small
+    # layers (tests) use the largest power of two that does, which changes only the tiny fp32 part.
+    blocks = weight.numel() // TORCHAO_BLOCK
+    if weight.numel() % TORCHAO_BLOCK:
+        raise QuantizationError(f"quant: {quant} with torchao needs weights whose size is a multiple of "
+                                f"{TORCHAO_BLOCK}; a {tuple(weight.shape)} layer is not")
+    scaler_block = TORCHAO_SCALER_BLOCK
+    while blocks % scaler_block:
+        scaler_block //= 2
+    # torchao dequantizes to the weight's dtype; keep the weight in the compute dtype.
+    linear.weight = nn.Parameter(to_nf4(weight.to(dtype), TORCHAO_BLOCK, scaler_block), requires_grad=False)
+    return linear
+
+
+def track_quant_state(model: nn.Module) -> None:
+    """Register bitsandbytes' quant_state tensors (absmax, code tables, nested absmax) as
+    non-persistent buffers, so the memory tracker (which tags parameters and buffers) counts them."""
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        state = getattr(weight, "quant_state", None)
+        if state is not None and not isinstance(state, torch.Tensor):
+            tensors = {"absmax": state.absmax, "code": state.code}
+            if getattr(state, "nested", False):
+                tensors.update(absmax2=state.state2.absmax, code2=state.state2.code, offset=state.offset)
+        elif getattr(weight, "SCB", None) is not None:
+            tensors = {"scb": weight.SCB}
+        else:
+            continue
+        for name, tensor in tensors.items():
+            if isinstance(tensor, torch.Tensor):
+                module.register_buffer(f"quant_{name}", tensor, persistent=False)
+
+
+# --- dequantize (merge) ----------------------------------------------------------------------------
+
+def dequantized_weight(module: nn.Module) -> torch.Tensor:
+    """The weight a quantized Linear computes with, as a plain tensor (fp32)."""
+    weight = module.weight
+    if _is_nf4(weight):
+        return weight.get_original_weight().float()
+    if getattr(weight, "quant_state", None) is not None:
+        bnb = require("bitsandbytes", "dequantizing 4-bit weights")
+        return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
+    if getattr(weight, "SCB", None) is not None:  # int8 rows: value * row absmax / 127
+        return weight.data.float() * weight.SCB.float().unsqueeze(1) / 127
+    raise QuantizationError(f"{type(module).__name__} holds no quantized weight to dequantize")
+
+
+def dequantize_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """Replace quantized Linear layers by plain ones holding the dequantized weights, in `dtype`."""
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if is_quantized_linear(child):
+                plain = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None,
+                                  device=child.weight.device, dtype=dtype)
+                with torch.no_grad():
+                    plain.weight.copy_(dequantized_weight(child).reshape(plain.weight.shape))
+                    if child.bias is not None:
+                        plain.bias.copy_(child.bias.float())
+                setattr(parent, name, plain)
+    for flag in ("is_loaded_in_4bit", "is_loaded_in_8bit"):
+        if flag in vars(model):
+            delattr(model, flag)
+    return model
+
+
+def quantized_bytes(model: nn.Module) -> dict[str, int]:
+    """Bytes of quantized weights (packed codes) and of their scales/tables, for reports and docs."""
+    from memfit.memory.tracker import storages
+
+    totals = {"codes": 0, "scales": 0}
+    seen = set()
+    for module in model.modules():
+        if not is_quantized_linear(module):
+            continue
+        weight = module.weight
+        if _is_nf4(weight):
+            for name in weight.__tensor_flatten__()[0]:
+                part = getattr(weight, name)
+                totals["codes" if name == "quantized_data" else "scales"] += part.numel() * part.element_size()
+            continue
+        totals["codes"] += weight.numel() * weight.element_size()
+        for name, buf in module.named_buffers(recurse=False):
+            if name.startswith("quant_") and id(buf) not in seen:
+                seen.add(id(buf))
+                totals["scales"] += sum(s.nbytes() for s in storages(buf))
+    return totals

@@ -1,0 +1,197 @@
+"""Out-of-memory recovery, a memory budget that makes OOM testable on CPU, and `micro_batch: auto`.
+
+OOM recovery: the loop draws each step's data exactly as configured (grad_accum batches of
+micro_batch sequences), and `OomRecovery.run` cuts those batches into smaller micro-batches
+before the step. After an out-of-memory error it drops the partial gradients, doubles the
+number of pieces (micro_batch halves, grad_accum doubles: the effective batch, the data and
+its order are unchanged) and redoes the same step. The step's loss is the sum over its target
+tokens divided by their count, so it does not depend on how the step is cut. The smaller
+micro-batch stays for the rest of the run.
+
+Evaluation is separate (`evaluate_with_retry`): an OOM there splits the evaluation batch
+only, never the training batch.
+
+`MemoryBudget` is a MemoryTracker that raises `torch.OutOfMemoryError` when the tracked bytes
+go above a limit, as a full GPU would; `memory_budget: 512MiB` in the config turns it on.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from typing import Callable
+
+import torch
+
+from memfit.errors import MemfitError
+from memfit.memory.report import format_bytes
+from memfit.memory.tracker import MemoryTracker, NullTracker
+
+log = logging.getLogger(__name__)
+
+AUTO_MAX_MICRO_BATCH = 1024  # search ceiling for micro_batch: auto
+
+
+class MemoryBudget(MemoryTracker):
+    """A MemoryTracker that fails an allocation taking the tracked total above `limit_bytes`."""
+
+    def __init__(self, limit_bytes: int, size_fn=None):
+        super().__init__(size_fn)
+        self.limit_bytes = limit_bytes
+
+    def _add(self, nbytes: int) -> None:
+        super()._add(nbytes)
+        if nbytes > 0 and self.current_bytes > self.limit_bytes:
+            # The storage is already recorded; when the failed op's output is dropped, its weak
+            # reference fires and the bytes are given back, as after a real failed allocation.
+            raise torch.OutOfMemoryError(
+                f"memory_budget: allocating {format_bytes(nbytes)} would hold {format_bytes(self.current_bytes)}, "
+                f"above the budget of {format_bytes(self.limit_bytes)}")
+
+
+def make_tracker(cfg):
+    """The run's tracker: a MemoryBudget when memory_budget is set, else as track_memory says."""
+    if cfg.memory_budget is not None:
+        return MemoryBudget(cfg.memory_budget_bytes)
+    return MemoryTracker() if cfg.track_memory else NullTracker()
+
+
+def smaller_split(micro_batch: int) -> int:
+    """The next micro-batch after an OOM: about half, and a divisor of the current one so that
+    every drawn batch splits evenly (6 -> 3, 5 -> 1, 4 -> 2)."""
+    return max(d for d in range(1, micro_batch // 2 + 1) if micro_batch % d == 0)
+
+
+def _trim_padding(batch: dict) -> dict:
+    """Drop trailing columns that are padding in every row (right-padded batches only)."""
+    mask = batch.get("attention_mask")
+    if mask is None or mask.shape[1] == 0:
+        return batch
+    keep = int(mask.sum(dim=1).max())
+    if keep == mask.shape[1] or not bool((mask[:, keep:] == 0).all()):
+        return batch
+    return {k: v[:, :keep] if v.dim() == 2 and v.shape[1] == mask.shape[1] else v for k, v in batch.items()}
+
+
+def split_batches(micro_batches: list[dict], rows: int) -> list[dict]:
+    """Cut each micro-batch into pieces of `rows` sequences (the last piece may be shorter)."""
+    pieces = []
+    for batch in micro_batches:
+        n = batch["input_ids"].shape[0]
+        if n <= rows:
+            pieces.append(batch)
+            continue
+        for start in range(0, n, rows):
+            pieces.append(_trim_padding({k: v[start:start + rows] for k, v in batch.items()}))
+    return pieces
+
+
+class OomRecovery:
+    """Runs a training step; on out-of-memory, splits the step's micro-batches finer and redoes it."""
+
+    def __init__(self, micro_batch: int, grad_accum: int, enabled: bool = True, reason_disabled: str = ""):
+        self.micro_batch, self.grad_accum = micro_batch, grad_accum
+        self.drawn_micro_batch = micro_batch  # rows per batch the loop draws (never changes)
+        self.enabled, self.reason_disabled = enabled, reason_disabled
+        self.shrinks: list[tuple[int, int]] = []  # (micro_batch, grad_accum) after each recovery
+
+    @classmethod
+    def for_run(cls, cfg) -> "OomRecovery":
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        reason = ("optimizer_in_backward already updated part of the model when the OOM struck" if
+                  cfg.optimizer_in_backward else "a distributed run cannot change one rank's batch alone"
+                  if distributed else "")
+        return cls(cfg.micro_batch, cfg.grad_accum, enabled=not reason, reason_disabled=reason)
+
+    def run(self, step_fn: Callable[[list[dict]], object], micro_batches: list[dict], optimizer) -> object:
+        while True:
+            try:
+                return step_fn(split_batches(micro_batches, self.micro_batch))
+            except torch.OutOfMemoryError as exc:
+                message = str(exc).splitlines()[0] if str(exc) else "out of memory"
+            # Outside the `except`: the traceback (and the tensors its frames hold) is gone now.
+            self._shrink(message)
+            optimizer.zero_grad(set_to_none=True)  # the failed attempt's partial gradients
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+
+    def _shrink(self, message: str) -> None:
+        if not self.enabled:
+            raise MemfitError(f"out of memory during a training step ({message}); automatic recovery is off "
+                              f"because {self.reason_disabled}: lower micro_batch (now {self.micro_batch})")
+        if self.micro_batch == 1:
+            raise MemfitError(f"out of memory during a training step even at micro_batch 1 ({message}); "
+                              "turn on memory savings (checkpointing, chunked_loss, lora, an 8-bit optimizer, "
+                              "shorter seq_len) or see `memfit plan`")
+        smaller = smaller_split(self.micro_batch)
+        self.grad_accum = self.grad_accum * self.micro_batch // smaller
+        self.micro_batch = smaller
+        self.shrinks.append((self.micro_batch, self.grad_accum))
+        log.warning("out of memory (%s): redoing the step with micro_batch %d x grad_accum %d (same effective "
+                    "batch, same data)", message, self.micro_batch, self.grad_accum)
+
+
+def evaluate_with_retry(eval_fn: Callable[[dict], tuple[torch.Tensor, int]], batch: dict,
+                        rows: int | None = None) -> tuple[float, int]:
+    """(sum of per-token losses, tokens) over `batch`, in pieces of `rows`; on OOM the pieces
+    are halved for this evaluation only (the training micro-batch is not touched)."""
+    rows = rows or batch["input_ids"].shape[0]
+    while True:
+        try:
+            total, count = 0.0, 0
+            for piece in split_batches([batch], rows):
+                loss_sum, tokens = eval_fn(piece)
+                total, count = total + float(loss_sum), count + tokens
+            return total, count
+        except torch.OutOfMemoryError as exc:
+            message = str(exc).splitlines()[0]
+        if rows == 1:
+            raise MemfitError(f"out of memory during evaluation even one sequence at a time ({message})")
+        rows = max(1, rows // 2)
+        gc.collect()
+        log.warning("out of memory in evaluation (%s): evaluating %d sequences at a time", message, rows)
+
+
+# --- micro_batch: auto ----------------------------------------------------------------------
+
+def memory_available_bytes(cfg, device: torch.device) -> tuple[int, str]:
+    """What micro_batch: auto must fit under, and where that number comes from."""
+    if cfg.memory_budget is not None:
+        return cfg.memory_budget_bytes, f"memory_budget {cfg.memory_budget}"
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free * 0.9), "90% of the GPU's free memory"
+    import psutil
+
+    return int(psutil.virtual_memory().available * 0.5), "half of the available RAM"
+
+
+def fits(cfg, micro_batch: int, budget_bytes: int, device: torch.device, estimate_fn) -> bool:
+    estimate = estimate_fn(cfg.model_copy(update={"micro_batch": micro_batch}), device.type)
+    return estimate.peak_reserved_bytes <= budget_bytes
+
+
+def resolve_micro_batch(cfg, device: torch.device, estimate_fn=None, limit: int = AUTO_MAX_MICRO_BATCH):
+    """cfg unchanged unless micro_batch is 'auto'; then a copy with the largest micro-batch whose
+    traced estimate (the planner's own fake run of this step) fits the budget.
+    Doubling, then bisection: about 2 log2(answer) traced steps."""
+    if cfg.micro_batch != "auto":
+        return cfg
+    if estimate_fn is None:
+        from memfit.memory.trace import trace_estimate
+
+        estimate_fn = lambda c, dev: trace_estimate(c, dev)  # noqa: E731
+    budget, source = memory_available_bytes(cfg, device)
+    if not fits(cfg, 1, budget, device, estimate_fn):
+        raise MemfitError(f"micro_batch: auto: even one sequence of seq_len {cfg.seq_len} does not fit in "
+                          f"{format_bytes(budget)} ({source}); see `memfit plan` for strategies that fit")
+    low, high = 1, 2  # low fits; find a high that does not
+    while high <= limit and fits(cfg, high, budget, device, estimate_fn):
+        low, high = high, high * 2
+    high = min(high, limit + 1)
+    while high - low > 1:
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(cfg, middle, budget, device, estimate_fn) else (low, middle)
+    log.info("micro_batch: auto -> %d (largest that fits %s, %s)", low, format_bytes(budget), source)
+    return cfg.model_copy(update={"micro_batch": low})
