@@ -39,6 +39,52 @@ def cmd_train(args) -> int:
     return 0
 
 
+# `memfit plan` options: each is the RunConfig key of the same name (dashes for underscores).
+PLAN_OPTIONS = {
+    "method": dict(choices=["full", "lora", "qlora"]), "precision": dict(choices=["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]),
+    "optimizer": dict(choices=["adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion", "lion-8bit", "sgd"]),
+    "checkpointing": dict(help="none, full or every-N"), "attention": dict(choices=["eager", "sdpa", "flash"]),
+    "micro_batch": dict(help="sequences per forward/backward (or auto)"), "seq_len": dict(type=int),
+    "grad_accum": dict(type=int), "packing": dict(choices=["true", "false"]), "lora.rank": dict(type=int),
+    "lora.alpha": dict(type=float), "lora.targets": dict(help="comma-separated module names, or all-linear"),
+    "quant": dict(choices=["none", "nf4", "nf4-dq", "fp4", "int8"]),
+}
+
+
+def cmd_plan(args) -> int:
+    import json
+
+    from memfit.config import load_config
+    from memfit.memory.planner import parse_budget, plan, plan_text, write_config
+
+    overrides = [f"model={args.model}"]
+    for key in PLAN_OPTIONS:
+        value = getattr(args, key.replace(".", "_"))
+        if value is None:
+            continue
+        if key == "lora.targets" and value != "all-linear":
+            value = "[" + value + "]"
+        overrides.append(f"{key}={value}")
+    cfg = load_config(args.config, overrides + list(args.set or []))
+    device = args.device or ("cpu" if cfg.device == "cpu" else "cuda")
+    result = plan(args.model, cfg, parse_budget(args.budget), gpus=args.gpus, engine=args.engine, device=device)
+    if args.write_config:
+        write_config(result, args.write_config)
+    if args.chart:
+        from memfit.memory.chart import plan_chart
+
+        plan_chart(result, args.chart)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        print(plan_text(result))
+        if args.write_config:
+            print(f"wrote {args.write_config} (run it with: memfit train {args.write_config})")
+        if args.chart:
+            print(f"wrote {args.chart}")
+    return 0
+
+
 def cmd_demo(args) -> int:
     from memfit.config import load_config
     from memfit.train.loop import train
@@ -145,6 +191,22 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--output", help="folder for the merged model (default: RUN_DIR/merged)")
     merge.add_argument("--overwrite", action="store_true", help="replace a model already in the output folder")
     merge.set_defaults(func=cmd_merge)
+
+    plan_cmd = sub.add_parser("plan", help="predict a run's peak GPU/CPU memory; with --budget, pick the fastest setup that fits")
+    plan_cmd.add_argument("model", help="preset name (`memfit presets`), local folder with config.json, or hub id")
+    for key, kwargs in PLAN_OPTIONS.items():
+        plan_cmd.add_argument("--" + key.replace("_", "-").replace(".", "-"), dest=key.replace(".", "_"), **kwargs)
+    plan_cmd.add_argument("--config", help="start from this RunConfig YAML (options override it)")
+    plan_cmd.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other RunConfig key (repeatable)")
+    plan_cmd.add_argument("--budget", help="GPU memory per device, e.g. 24GiB or 80GB: run the roadmap tiers")
+    plan_cmd.add_argument("--gpus", type=int, default=1, help="GPUs (per-device budget; sharding needs 2+)")
+    plan_cmd.add_argument("--device", choices=["cuda", "cpu"], help="device the run is planned for (default cuda)")
+    plan_cmd.add_argument("--engine", choices=["analytic", "traced"], default="analytic",
+                          help="analytic formulas (instant) or a traced run of the real step on fake tensors")
+    plan_cmd.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    plan_cmd.add_argument("--write-config", metavar="FILE", help="write the recommendation as a RunConfig YAML")
+    plan_cmd.add_argument("--chart", metavar="FILE.png", help="stacked bars per tier against the budget")
+    plan_cmd.set_defaults(func=cmd_plan)
 
     presets = sub.add_parser("presets", help="list the model presets usable offline")
     presets.set_defaults(func=cmd_presets)

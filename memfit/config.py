@@ -187,9 +187,11 @@ class RunConfig(_Section):
                 raise ValueError("must be null, 'auto' or a positive size, e.g. 24GiB")
         return value
 
-    @field_validator("memory_budget")
+    @field_validator("memory_budget", mode="before")
     @classmethod
-    def _budget_form(cls, value: str | None) -> str | None:
+    def _budget_form(cls, value: Any) -> str | None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = f"{int(value)}B"  # a plain number is bytes
         if value is not None:
             from memfit.memory.report import parse_bytes
 

@@ -8,7 +8,7 @@ DataLoader returns the workers' results round-robin, i.e. in chunk order, so the
 the same for any W and the stream is deterministic. Resume is exact: the epoch is replayed from
 its start with the same seed and the first `position` items are dropped (re-reading costs time,
 not correctness), so every example is seen exactly once per epoch across a restart. With data
-parallel ranks, rank r tokenizes and serves record chunks r, r + world, ... (disjoint shares).
+parallel ranks, rank r tokenizes and serves records r, r + world, ... (disjoint shares).
 """
 
 from __future__ import annotations
@@ -36,9 +36,12 @@ class EncodedChunks(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
-        for index, chunk in enumerate(chunked(iter_raw(self.path, self.split, self.limit), self.chunk_records)):
-            # data parallel: rank r owns chunks r, r + world, ...; its k-th chunk goes to worker k mod W
-            if index % self.world == self.rank and (index // self.world) % workers == worker:
+        # data parallel: rank r owns records r, r + world, ... (reading a record is cheap, parsing
+        # and tokenizing it is not); chunk k of the rank's records goes to worker k mod W.
+        records = (item for index, item in enumerate(iter_raw(self.path, self.split, self.limit))
+                   if index % self.world == self.rank)
+        for index, chunk in enumerate(chunked(records, self.chunk_records)):
+            if index % workers == worker:
                 yield encode_chunk(chunk, self.spec)
 
 

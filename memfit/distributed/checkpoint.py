@@ -4,8 +4,8 @@ Resumable checkpoint (every rank takes part): `<output_dir>/checkpoints/sharded-
   state/              torch.distributed.checkpoint (DCP) folder: model and optimizer state as
                       each rank holds it (FSDP2/TP shards as DTensors, DDP replicas once).
                       DCP re-shards on load, so a zero2/zero3 run can resume on another number
-                      of ranks; zero1 (ZeroRedundancyOptimizer) stores its consolidated optimizer
-                      state, which also loads on any number of ranks.
+                      of ranks; zero1 (ZeroRedundancyOptimizer) and pipeline stages store each
+                      rank's own optimizer state (optim-rank<r>.pt): same number of ranks to resume.
   trainer.pt          rank 0: step, data position, losses, scheduler state (weights_only load)
   rng-rank<r>.pt      each rank's torch RNG state
 It is written under a `.tmp-` name and renamed by rank 0 once every rank has finished, so a
@@ -44,6 +44,12 @@ def _is_zero1(optimizer) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
+def _local_optimizer(optimizer):
+    """ZeroRedundancyOptimizer's own partition (`.optim`): saving it per rank avoids gathering the
+    whole optimizer state on rank 0 (`consolidate_state_dict`), which costs rank 0 a full copy."""
+    return optimizer.optim if _is_zero1(optimizer) else optimizer
+
+
 def _state(model, optimizer):
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
@@ -68,12 +74,8 @@ def save_sharded(out: Path, step: int, trainer: dict, model, optimizer, ctx: Dis
     dist.barrier()
     state, optimizer_in_dcp = _state(model, optimizer)
     dcp.save(state, checkpoint_id=str(tmp / "state"))
-    if _is_zero1(optimizer):  # ZeroRedundancyOptimizer gathers its shards on rank 0 itself
-        optimizer.consolidate_state_dict(to=0)
-    if not optimizer_in_dcp and not _is_zero1(optimizer):
-        torch.save(optimizer.state_dict(), tmp / f"optim-rank{ctx.rank}.pt")  # pipeline: per stage
-    if ctx.is_main and _is_zero1(optimizer):
-        torch.save(optimizer.state_dict(), tmp / "optim-consolidated.pt")
+    if not optimizer_in_dcp:  # each rank's own optimizer: its pipeline stage's, or its ZeRO-1 partition
+        torch.save(_local_optimizer(optimizer).state_dict(), tmp / f"optim-rank{ctx.rank}.pt")
     torch.save({"torch_cpu": torch.get_rng_state()}, tmp / f"rng-rank{ctx.rank}.pt")
     if ctx.is_main:
         torch.save(trainer, tmp / "trainer.pt")
@@ -102,18 +104,20 @@ def load_sharded(path: Path, model, optimizer, ctx: DistContext) -> dict:
         raise MemfitError(f"{path} is not a complete sharded checkpoint (no trainer.pt)")
     state, optimizer_in_dcp = _state(model, optimizer)
     dcp.load(state, checkpoint_id=str(path / "state"))
-    if hasattr(model, "load_stage_state_dict"):
-        model.load_stage_state_dict(state["model"])
-        optim_file = path / f"optim-rank{ctx.rank}.pt"
-        if not optim_file.exists():
-            raise MemfitError(f"{path}: no optimizer state for pipeline stage {ctx.rank}; a pipeline checkpoint "
-                              "resumes only with the same number of stages")
-        optimizer.load_state_dict(torch.load(optim_file, weights_only=True))
-    elif optimizer_in_dcp:
+    if optimizer_in_dcp:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     else:
-        set_model_state_dict(model, state["model"])
-        optimizer.load_state_dict(torch.load(path / "optim-consolidated.pt", weights_only=True))
+        if hasattr(model, "load_stage_state_dict"):
+            model.load_stage_state_dict(state["model"])
+        else:
+            set_model_state_dict(model, state["model"])
+        optim_file = path / f"optim-rank{ctx.rank}.pt"
+        if not optim_file.exists() or (path / f"optim-rank{ctx.world_size}.pt").exists():
+            raise MemfitError(f"{path}: its optimizer state was written by another number of ranks; pipeline "
+                              "and zero1 checkpoints resume only on as many ranks as wrote them")
+        _local_optimizer(optimizer).load_state_dict(torch.load(optim_file, weights_only=True))
+        if _is_zero1(optimizer):
+            optimizer.state = optimizer.optim.state  # load_state_dict replaced the dict it aliases
     rng = path / f"rng-rank{ctx.rank}.pt"
     if rng.exists():
         torch.set_rng_state(torch.load(rng, weights_only=True)["torch_cpu"])

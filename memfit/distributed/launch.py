@@ -29,6 +29,7 @@ class DistContext:
     dp_size: int = 1      # ranks that see different data (1 for tensor/pipeline parallel)
     enabled: bool = False
     backend: str = ""     # gloo (CPU) or nccl (CUDA); collectives on nccl need CUDA tensors
+    owns_group: bool = False  # this run created the process group, so its end destroys it
 
     def scalar(self, value: float, dtype=torch.float64) -> torch.Tensor:
         """A 0-d tensor on the device this rank's collectives run on."""
@@ -58,7 +59,8 @@ def init_distributed(cfg, device: torch.device, model_config=None) -> DistContex
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()  # a caller's own group (several runs in one process) is left alone
+    if owns_group:
         if "MASTER_ADDR" not in os.environ:  # one process asked for sharding without torchrun
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", "29500")
@@ -68,7 +70,7 @@ def init_distributed(cfg, device: torch.device, model_config=None) -> DistContex
     backend = dist.get_backend()
     model_parallel = cfg.tensor_parallel > 1 or cfg.pipeline_parallel > 1
     dp_rank, dp_size = (0, 1) if model_parallel else (rank, world)
-    return DistContext(rank, world, local_rank, dp_rank, dp_size, enabled=True, backend=backend)
+    return DistContext(rank, world, local_rank, dp_rank, dp_size, enabled=True, backend=backend, owns_group=owns_group)
 
 
 def local_device(device: torch.device, ctx: DistContext) -> torch.device:
@@ -85,7 +87,8 @@ def teardown(ctx: DistContext) -> None:
 
     if dist.is_initialized():
         dist.barrier()
-        dist.destroy_process_group()
+        if ctx.owns_group:
+            dist.destroy_process_group()
 
 
 def exit_process(code: int = 0) -> None:

@@ -54,10 +54,12 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.optim.Optimizer], cfg,
-          ctx: DistContext, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """`model, optimizer = shard(model, optimizer_factory, cfg, ctx, device)`; unchanged when off."""
+          ctx: DistContext, device: torch.device, load: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """`model, optimizer = shard(model, optimizer_factory, cfg, ctx, device)`; unchanged when off.
+
+    `load=False` (the planner's per-rank trace, on fake tensors): skip sending rank 0's weights."""
     if not ctx.enabled:
-        model = model.to(device)
+        model = place(model, device)
         return model, optimizer_factory(trainable(model))
     if cfg.tensor_parallel > 1:
         from memfit.distributed.tensor_parallel import apply_tensor_parallel
@@ -70,7 +72,7 @@ def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.opti
         model = build_pipeline(model, cfg, ctx, device)
         return model, optimizer_factory(trainable(model))
     if cfg.sharding in FSDP2:
-        model = _fully_shard(model, cfg, ctx, device)
+        model = _fully_shard(model, cfg, ctx, device, load)
         return model, optimizer_factory(trainable(model))
     return _ddp(model, optimizer_factory, cfg, device)
 
@@ -78,7 +80,7 @@ def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.opti
 def _ddp(model, optimizer_factory, cfg, device):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    model = model.to(device)
+    model = place(model, device)
     # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
     wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                   gradient_as_bucket_view=True)
@@ -86,6 +88,16 @@ def _ddp(model, optimizer_factory, cfg, device):
     if cfg.sharding == "zero1":
         optimizer = _zero_redundancy(optimizer, trainable(model))
     return wrapped, optimizer
+
+
+def place(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """Move to the device; a model still on `meta` (the planner's trace) gets storage there instead."""
+    if any(p.is_meta for p in model.parameters()):
+        model = model.to_empty(device=device)
+        if hasattr(model, "tie_weights"):  # to_empty gives every parameter its own tensor: re-tie
+            model.tie_weights()
+        return model
+    return model.to(device)
 
 
 def _zero_redundancy(template: torch.optim.Optimizer, params: list) -> torch.optim.Optimizer:
@@ -103,16 +115,18 @@ def _zero_redundancy(template: torch.optim.Optimizer, params: list) -> torch.opt
     return optimizer
 
 
-def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
+def _fully_shard(model, cfg, ctx: DistContext, device: torch.device, load: bool = True):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
+    follow_fsdp_storage()
+
     # Rank 0 keeps references to its full weights (and every buffer, rotary tables included,
     # which state_dict leaves out) while the module itself becomes shapes only, like the others.
-    full_state = model.state_dict() if ctx.rank == 0 else {}
-    full_buffers = dict(model.named_buffers()) if ctx.rank == 0 else {}
+    full_state = model.state_dict() if ctx.rank == 0 and load else {}
+    full_buffers = dict(model.named_buffers()) if ctx.rank == 0 and load else {}
     model = model.to("meta")
     if hasattr(model, "tie_weights"):  # moving to meta unties shared weights (embeddings/lm_head): tie again
         model.tie_weights()
@@ -130,6 +144,8 @@ def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
             for key, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[key] = buffer.to(device)
+    if not load:
+        return model
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():
         for name, buffer in model.named_buffers():
@@ -146,3 +162,36 @@ def initial_device(cfg, ctx: DistContext, device: torch.device) -> torch.device 
     if ctx.enabled and (cfg.sharding in FSDP2 or cfg.pipeline_parallel > 1 or cfg.tensor_parallel > 1):
         return None
     return device
+
+
+def follow_fsdp_storage() -> None:
+    """Let memfit's MemoryTracker see FSDP2 free and re-allocate unsharded parameters.
+
+    FSDP2 (torch 2.13: fsdp/_fully_shard/_fsdp_param.py) releases a block's gathered parameters
+    with `storage.resize_(0)` and re-grows them with `storage.resize_(n)`: storage methods that
+    no TorchDispatchMode sees, so a tracker would count them as alive for the whole step.
+    This wraps those two helpers (once per process) to tell every active tracker the new size.
+    """
+    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    if getattr(_fsdp_param.free_storage, "_memfit", False):
+        return
+
+    def notify(tensor: torch.Tensor) -> None:
+        for mode in _get_current_dispatch_mode_stack():
+            if hasattr(mode, "resized"):
+                mode.resized(tensor.untyped_storage())
+
+    def wrap(original):
+        def resize(tensor: torch.Tensor) -> None:
+            original(tensor)
+            notify(tensor)
+
+        resize._memfit = True
+        return resize
+
+    _fsdp_param.free_storage = wrap(_fsdp_param.free_storage)
+    _fsdp_param.alloc_storage = wrap(_fsdp_param.alloc_storage)
+    if hasattr(_fsdp_param_group, "alloc_storage"):
+        _fsdp_param_group.alloc_storage = _fsdp_param.alloc_storage

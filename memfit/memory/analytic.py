@@ -15,6 +15,7 @@ own term function and one line in `analytic_estimate`.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -64,6 +65,9 @@ class ModelShape:
     @property
     def block_linear_params(self) -> int:
         return sum(i * o for _, i, o in self.linear)
+
+
+_SHAPE_BY_ID: dict[int, tuple] = {}  # id(config) -> (weak reference, shape); ids are checked on use
 
 
 @lru_cache(maxsize=64)
@@ -117,9 +121,15 @@ def model_shape(model_config) -> ModelShape:
     """The architecture numbers of a transformers config (cached: a meta build takes ~0.05-1 s)."""
     import json
 
+    entry = _SHAPE_BY_ID.get(id(model_config))  # the planner asks hundreds of times per config object
+    if entry is not None and entry[0]() is model_config:
+        return entry[1]
+
     raw = {k: v for k, v in model_config.to_dict().items()
-           if k not in ("_name_or_path", "transformers_version", "auto_map", "architectures_")}
-    return _shape_cached(json.dumps(raw, sort_keys=True, default=str))
+           if k not in ("_name_or_path", "transformers_version", "auto_map")}
+    shape = _shape_cached(json.dumps(raw, sort_keys=True, default=str))
+    _SHAPE_BY_ID[id(model_config)] = (weakref.ref(model_config), shape)
+    return shape
 
 
 # --- which parameters train ------------------------------------------------------------------------
@@ -385,9 +395,8 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig) -> dict[str, dict[str, in
 
 def runtime_overheads(cfg: RunConfig, device: str, transient_bytes: int) -> dict[str, int]:
     """Memory the tracker cannot see. On CUDA: the context (outside the allocator), the cuBLAS
-    workspace, and the allocator's reserve: blocks freed by the forward/backward are cached and
-    cannot always serve differently-sized requests, so the reserve grows by about the largest
-    transient block plus one 2 MiB segment per layer's small tensors."""
+    workspace, and the allocator's reserve: blocks freed during the step stay cached and cannot
+    always serve differently-sized requests (docs/planner.md)."""
     if device != "cuda":
         return {}
     return {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES,
@@ -411,7 +420,7 @@ def cpu_ram_bytes(shape: ModelShape, cfg: RunConfig, device: str) -> dict[str, i
     return terms
 
 
-def shard_model_states(by_category: dict[str, int], cfg: RunConfig, gpus: int) -> dict[str, int]:
+def shard_model_states(by_category: dict[str, int], cfg: RunConfig, gpus: int, where: str = "") -> dict[str, int]:
     """ZeRO stages divide the model states over the data-parallel ranks (per-rank bytes):
     zero1 optimizer states, zero2 + gradients, zero3 + weights (FSDP keeps one layer gathered:
     not counted here). offload moves optimizer states (and with params/all the weights and
@@ -423,8 +432,12 @@ def shard_model_states(by_category: dict[str, int], cfg: RunConfig, gpus: int) -
     for category, from_stage in (("optimizer_states", 1), ("gradients", 2), ("weights", 3)):
         if stage >= from_stage:
             out[category] = math.ceil(out[category] / world)
+    if where == "optimizer_step" and stage >= 1:  # each rank steps its own shard
+        out["temporaries"] = math.ceil(out["temporaries"] / world)
     if offload != "none" and stage >= 2:
         out["optimizer_states"] = 0
+        if where == "optimizer_step":  # the step runs on the CPU
+            out["temporaries"] = 0
         if offload in ("params", "all"):
             out["weights"] = out["gradients"] = 0
     return out
@@ -435,13 +448,24 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
     if model_config is None:
         from memfit.models.loading import load_model_config
         model_config, _ = load_model_config(cfg.model)
+    if not isinstance(cfg.micro_batch, int):
+        from memfit.errors import MemfitError
+        raise MemfitError("micro_batch: auto is resolved by the planner; the analytic estimate needs a number")
     shape = model_shape(model_config)
-    candidates = {k: shard_model_states(v, cfg, gpus) for k, v in peak_candidates(shape, cfg).items()}
+    candidates = {k: shard_model_states(v, cfg, gpus, k) for k, v in peak_candidates(shape, cfg).items()}
     where, by_category = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     by_category = {c: int(by_category.get(c, 0)) for c in CATEGORIES}
+    paged = 0
+    if device == "cuda" and cfg.optimizer == "paged-adamw-8bit":
+        # bitsandbytes keeps paged states in CUDA unified memory, outside torch's allocator statistics
+        paged, by_category["optimizer_states"] = by_category["optimizer_states"], 0
     allocated = sum(by_category.values())
-    transient = max(c["temporaries"] for c in candidates.values()) + ALLOCATOR_SEGMENT_BYTES * shape.layers
+    # allocator reserve: the loss buffers (the largest blocks of the step, cached after the backward's
+    # start and rarely reusable for other shapes) + one partly used 2 MiB segment per layer
+    transient = 2 * _loss_bytes(shape, cfg) + ALLOCATOR_SEGMENT_BYTES * shape.layers
     overheads = runtime_overheads(cfg, device, transient)
+    if paged:
+        overheads["paged_optimizer_states"] = paged
     reserved = allocated + overheads.get("cublas_workspace", 0) + overheads.get("allocator_reserve", 0)
     ram = cpu_ram_bytes(shape, cfg, device)
     if device == "cpu":
@@ -454,5 +478,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
 
 
 def device_total_bytes(estimate: Estimate) -> int:
-    """What the whole GPU must hold (nvidia-smi): the allocator's reserve plus the CUDA context."""
-    return estimate.peak_reserved_bytes + estimate.overheads.get("cuda_context", 0)
+    """What the whole GPU must hold (nvidia-smi): the allocator's reserve, the CUDA context, and
+    paged optimizer states (unified memory, resident on the GPU while the step runs)."""
+    return (estimate.peak_reserved_bytes + estimate.overheads.get("cuda_context", 0)
+            + estimate.overheads.get("paged_optimizer_states", 0))

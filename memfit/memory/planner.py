@@ -364,3 +364,63 @@ def parse_budget(text: str | None) -> int | None:
     except ValueError as exc:
         raise MemfitError(f"--budget: {exc}") from None
 
+
+
+# --- output ---------------------------------------------------------------------------------------------
+def _gib(n: int) -> str:
+    return f"{n / 2**30:8.2f}"
+
+
+def plan_text(result: Plan) -> str:
+    """The plan as a table; every number in GiB (2^30 bytes), said in the header."""
+    from memfit.memory.analytic import _trainable_size
+
+    est, cfg = result.estimate, result.cfg
+    shape = model_shape(_model_config(cfg))
+    trainable = trainable_params(shape, cfg)
+    master = min(trainable * _trainable_size(cfg), est.by_category["weights"])
+    lines = [f"memfit plan: {result.model} ({shape.total_params / 1e9:.2f} B parameters, "
+             f"{trainable / 1e9:.3f} B trainable), engine {est.engine}, per GPU",
+             f"run: {_config_summary(cfg)}",
+             "", "Predicted peak GPU memory (GiB = 2^30 bytes)"]
+    rows = [("weights (frozen / base)", est.by_category["weights"] - master),
+            ("trainable master weights", master),
+            ("gradients", est.by_category["gradients"]),
+            ("optimizer states", est.by_category["optimizer_states"]),
+            ("activations (at the peak)", est.by_category["activations"]),
+            ("temporaries", est.by_category["temporaries"])]
+    lines += [f"  {name:<34}{_gib(value)} GiB" for name, value in rows]
+    lines.append(f"  {'= allocator peak (max_memory_allocated)':<34}{_gib(est.peak_allocated_bytes)} GiB")
+    for name, value in est.overheads.items():
+        lines.append(f"  {'+ ' + name.replace('_', ' '):<34}{_gib(value)} GiB")
+    if est.overheads:
+        lines.append(f"  {'= reserved peak (max_memory_reserved)':<34}{_gib(est.peak_reserved_bytes)} GiB")
+        lines.append(f"  {'= whole GPU (nvidia-smi)':<34}{_gib(result.device_bytes)} GiB")
+    lines.append(f"Predicted CPU RAM (loading path, data, offload): {_gib(est.cpu_ram_bytes).strip()} GiB")
+    lines += [f"note: {n}" for n in est.notes]
+    if result.budget_bytes is None:
+        return "\n".join(lines)
+    lines += ["", f"Budget {result.budget_bytes / 2**30:.2f} GiB per GPU x {result.gpus} GPU(s): roadmap tiers"]
+    for t in result.tiers:
+        mark = "FITS" if t.fits else ("n/a " if not t.available else "no  ")
+        lines.append(f"  [{mark}] tier {t.tier}: {t.name}: {t.reason}")
+        if t.available:
+            lines.append(f"         largest micro_batch at seq_len {cfg.seq_len}: {t.max_micro_batch or 'none'}; "
+                         f"largest seq_len at micro_batch 1: {t.max_seq_len or 'none'}")
+    rec = result.recommendation
+    if rec is None:
+        lines.append("Recommendation: nothing fits this budget; more GPUs (--gpus) or a larger budget")
+    else:
+        lines.append(f"Recommendation (fastest that fits, {rec.tokens_per_second:,.0f} tokens/s predicted on the "
+                     f"reference GPU): {_config_summary(rec.cfg)}, {rec.device_bytes / 2**30:.2f} GiB per GPU "
+                     f"({rec.estimate.engine} engine)")
+    return "\n".join(lines)
+
+
+def write_config(result: Plan, path: str) -> RunConfig:
+    """Write the recommendation (or the described run) as a RunConfig YAML `memfit train` accepts."""
+    from pathlib import Path
+
+    cfg = result.recommendation.cfg if result.recommendation else result.cfg
+    Path(path).write_text(cfg.to_yaml())
+    return cfg

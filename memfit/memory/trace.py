@@ -9,7 +9,7 @@ step 2 is the steady state; the estimate is the peak over both. Because it is th
 code path, whatever a strategy changes about memory shows up here without a formula.
 
 What a fake run cannot do, and how each is handled:
-  * read a tensor's value (`.item()`, `float(t)`, `if t.all()`): `_FakeRunFixes` answers every such
+  * read a tensor's value (`.item()`, `float(t)`, `if t.all()`): `_FakeStepTracker` answers every such
     read with a fixed value (True, 1, 1.0). These only steer control flow; the answers pick the
     path of a full-length batch whose step is taken (no fp16 overflow): the worst case.
   * fp16's GradScaler skips the optimizer step when it found inf/NaN; in the fake run it always
@@ -30,7 +30,6 @@ from contextlib import contextmanager
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from memfit.config import RunConfig
 from memfit.errors import MemfitError
@@ -56,25 +55,52 @@ def cuda_block_bytes(nbytes: int) -> int:
     return -(-nbytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
 
 
-class _FakeRunFixes(TorchDispatchMode):
-    """Sits above FakeTensorMode. Answers reads of fake tensor values (`aten._local_scalar_dense`)
-    with fixed values, and runs ops whose tensor inputs are all real (the small real attention
-    mask of `fake_batch`, and what is derived from it) on real tensors, so that transformers'
-    value checks on the mask see real values."""
+def _fake_or_meta(x) -> bool:
+    return isinstance(x, torch.Tensor) and (isinstance(x, FakeTensor) or x.is_meta)
+
+
+def _all_real(args, kwargs) -> bool:
+    """Whether an op's tensor inputs (one level of lists, as foreach ops take) are all real."""
+    seen = False
+    for arg in (*args, *kwargs.values()):
+        for x in (arg if isinstance(arg, (list, tuple)) else (arg,)):
+            if isinstance(x, torch.Tensor):
+                if isinstance(x, FakeTensor) or x.is_meta:  # meta: the model before `to_empty`
+                    return False
+                seen = True
+    return seen
+
+
+class _FakeStepTracker(MemoryTracker):
+    """The trainer's MemoryTracker (same recording and tagging), plus what a fake run needs.
+
+    It sits directly above FakeTensorMode and:
+      * answers reads of fake values (`aten._local_scalar_dense`) with fixed values;
+      * runs ops whose tensor inputs are all real (the small real attention mask of `fake_batch`
+        and what is derived from it; optimizer step counters) on real tensors, so transformers'
+        checks of the mask's values see real values;
+      * answers `.device` of a fake tensor (`prim.device`, about two thirds of all dispatches in a
+        checkpointed backward) at once, without a round trip through the fake mode.
+    Being one mode rather than two halves the per-op cost, which dominates a 70B trace.
+    """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        inputs = [x for x in tree_leaves((args, kwargs)) if isinstance(x, torch.Tensor)]
-        # Meta inputs (the model before `to_empty`) must become fake, never real.
-        if inputs and not any(isinstance(x, FakeTensor) or x.is_meta for x in inputs):
-            with unset_fake_temporarily():
-                return func(*args, **kwargs)
-        if func is torch.ops.aten._local_scalar_dense.default:
+        if func is _PRIM_DEVICE and isinstance(args[0], FakeTensor):
+            return args[0].fake_device
+        if func is _SCALAR_READ and _fake_or_meta(args[0]):
             dtype = args[0].dtype
             if dtype == torch.bool:
                 return True
             return 1.0 if dtype.is_floating_point or dtype.is_complex else 1
-        return func(*args, **kwargs)
+        kwargs = kwargs or {}
+        if _all_real(args, kwargs):
+            with unset_fake_temporarily():
+                return super().__torch_dispatch__(func, types, args, kwargs)
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+
+_PRIM_DEVICE = torch.ops.prim.device.default
+_SCALAR_READ = torch.ops.aten._local_scalar_dense.default
 
 
 def _always_step(scaler: torch.amp.GradScaler) -> None:
@@ -90,6 +116,29 @@ def _like_cuda_optimizer(optimizer: torch.optim.Optimizer) -> None:
         for group in optimizer.param_groups:
             if "foreach" in group and group["foreach"] is None and not group.get("fused"):
                 group["foreach"] = True
+
+
+@contextmanager
+def _compiled_functions_for_trace():
+    """`torch.compile` cannot trace under the tracker's dispatch mode (dynamo skips every frame), so
+    during a trace compiled functions run eagerly, with one exception: torchao's fused 8-bit AdamW
+    update. Compiled, it only writes its arguments in place (parameter and quantised states) and
+    allocates nothing that outlives it; run eagerly it would make fp32 copies of each parameter and
+    state that the fused kernel never makes. So it is skipped: the states it writes already exist."""
+    compile_ = torch.compile
+
+    def compile_for_trace(fn=None, *args, **kwargs):
+        if fn is None:  # used as @torch.compile(...)
+            return lambda f: compile_for_trace(f)
+        if getattr(fn, "__module__", "").startswith("torchao.optim") and fn.__name__ == "single_param_adam":
+            return lambda *a, **k: None
+        return fn
+
+    torch.compile = compile_for_trace
+    try:
+        yield
+    finally:
+        torch.compile = compile_
 
 
 def _materialise(model: torch.nn.Module) -> torch.nn.Module:
@@ -128,7 +177,7 @@ def fake_batch(cfg: RunConfig, padded: bool) -> dict[str, torch.Tensor]:
 
 @contextmanager
 def _real_tensors():
-    """Step out of the active FakeTensorMode (and _FakeRunFixes) to make a real tensor."""
+    """Step out of the active FakeTensorMode (and the tracker) to make a real tensor."""
     from torch.utils._python_dispatch import _disable_current_modes
 
     with _disable_current_modes():
@@ -166,17 +215,21 @@ def trace_estimate(cfg: RunConfig, device: str | None = None, padded: bool | Non
         _always_step(precision.scaler)
     model = build_model(cfg.model, attention, dtype=precision.weight_dtype, on_meta=True)
     model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg)
-    tracker = MemoryTracker(cuda_block_bytes if target.type == "cuda" else None)
+    tracker = _FakeStepTracker(cuda_block_bytes if target.type == "cuda" else None)
 
-    with FakeTensorMode(allow_non_fake_inputs=True), _FakeRunFixes():
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    with fake_mode:
         model = _materialise(model)
-        model.train()
-        params = [p for p in model.parameters() if p.requires_grad]
-        # Built for the trace device: paged-adamw-8bit then runs as plain 8-bit AdamW, same state bytes.
-        optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend,
-                                    TRACE_DEVICE)
-        if target.type == "cuda":
-            _like_cuda_optimizer(optimizer)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    # Built outside the fake mode: optimizers make small constant tables (bitsandbytes' quantisation
+    # maps) from Python lists, which must stay real. Built for the trace device: paged-adamw-8bit then
+    # runs as plain 8-bit AdamW, with the same state bytes.
+    optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend,
+                                TRACE_DEVICE)
+    if target.type == "cuda":
+        _like_cuda_optimizer(optimizer)
+    with fake_mode, _compiled_functions_for_trace():
         # The same sequence of tracker calls as memfit.train.loop.train.
         with tracker:
             tracker.tag_module(model)

@@ -158,6 +158,11 @@ class MemoryTracker(TorchDispatchMode):
     def tag_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         self.tag(_tensors([dict(s) for s in optimizer.state.values()]), "optimizer_states")
 
+    def resized(self, storage: torch.UntypedStorage) -> None:
+        """A storage changed size outside any op (FSDP2 frees and re-allocates its unsharded
+        parameters with `storage.resize_`, which no dispatch mode sees); keeps its category."""
+        self._record(storage, _PHASE_DEFAULT[self._phase])
+
     def reset_peak(self) -> None:
         self.peak_bytes = self.current_bytes
         self._peak_pending = True

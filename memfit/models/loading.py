@@ -9,6 +9,7 @@ A model name resolves, first match wins, to:
 from __future__ import annotations
 
 import logging
+import pickle
 from pathlib import Path
 
 import torch
@@ -38,16 +39,63 @@ def load_model_config(spec: ModelConfig) -> tuple[PretrainedConfig, str]:
         if not (path / "config.json").is_file():
             raise ModelLoadError(f"model path {path} exists but holds no config.json; "
                                  "point model.name at a folder saved with save_pretrained()")
-        return AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code), "local"
+        config = _read_config(path, spec, f"model.name: {path / 'config.json'}")
+        return _require_causal_lm(config, spec.name), "local"
     if preset_path(spec.name) is not None:
         return load_preset_config(spec.name), "preset"
+    if spec.name.startswith(("/", "./", "../", "~")):  # clearly a path, not a hub id: don't ask the hub
+        raise ModelLoadError(f"model.name: folder {path} does not exist")
     try:
         config = AutoConfig.from_pretrained(spec.name, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     except OSError as exc:
         raise ModelLoadError(
             f"model '{spec.name}' is not a local folder, not a memfit preset (`memfit presets` lists them), "
             f"and could not be fetched from the hub: {str(exc).splitlines()[0]}") from None
-    return config, "hub"
+    except ValueError as exc:
+        raise _config_error(f"model.name: '{spec.name}'", exc) from None
+    return _require_causal_lm(config, spec.name), "hub"
+
+
+def _read_config(path: Path, spec: ModelConfig, where: str) -> PretrainedConfig:
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=spec.trust_remote_code)
+    except OSError as exc:  # unreadable file or invalid JSON
+        raise ModelLoadError(f"{where} could not be read: {str(exc).splitlines()[0]}") from None
+    except ValueError as exc:
+        raise _config_error(where, exc) from None
+
+
+def _config_error(where: str, exc: ValueError) -> ModelLoadError:
+    """transformers' ValueErrors about a config, said in one line (trust_remote_code gets its own)."""
+    text = str(exc)
+    if "trust_remote_code" in text:
+        # Running a model's own Python code is the user's explicit decision, never a default.
+        return ModelLoadError(f"{where}: the model ships its own Python code (auto_map), which memfit runs only "
+                              "with model.trust_remote_code=true; set that only if you trust its author")
+    return ModelLoadError(f"{where}: {text.splitlines()[0]}")
+
+
+def _require_causal_lm(config: PretrainedConfig, name: str) -> PretrainedConfig:
+    """Refuse configs that are not decoder language models, before anything is built or written."""
+    import inspect
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if model_class is None:
+        raise ModelLoadError(f"model.name: '{name}' is a {config.model_type} model, which is not a causal "
+                             "language model (transformers has no AutoModelForCausalLM class for it); memfit "
+                             "fine-tunes decoder models such as llama, mistral, qwen2, gemma, gpt2")
+    # BERT-like encoders have a causal LM head class, but it attends both ways unless is_decoder is set.
+    try:
+        encoder = "as a standalone" in inspect.getsource(model_class.__init__)
+    except (OSError, TypeError):
+        encoder = False
+    if encoder and not getattr(config, "is_decoder", False):
+        raise ModelLoadError(f"model.name: '{name}' is a {config.model_type} encoder (bidirectional attention), "
+                             "not a causal language model; use a decoder model, or set is_decoder: true in its "
+                             "config.json if it really is one")
+    return config
 
 
 def build_model(spec: ModelConfig, attention: str = "sdpa", dtype: torch.dtype = torch.float32,
@@ -73,6 +121,9 @@ def build_model(spec: ModelConfig, attention: str = "sdpa", dtype: torch.dtype =
     except ValueError as exc:  # transformers' message for "not a causal LM"
         raise ModelLoadError(f"model '{spec.name}' ({config.model_type}) cannot be loaded as a causal LM: "
                              f"{str(exc).splitlines()[0]}") from None
+    except pickle.UnpicklingError:  # transformers loads .bin files with torch.load(weights_only=True)
+        raise ModelLoadError(f"model.name: the weights in '{spec.name}' hold pickled objects besides tensors; "
+                             "memfit does not run pickled code: convert them to safetensors") from None
     log.warning("model '%s' has no weights here (%s config): starting from random initialisation", spec.name, source)
     try:
         return AutoModelForCausalLM.from_config(config, **kwargs)

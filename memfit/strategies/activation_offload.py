@@ -16,6 +16,7 @@ On a CPU-only run activations already live in host memory: the strategy is a no-
 from __future__ import annotations
 
 import logging
+import weakref
 from contextlib import nullcontext
 
 import torch
@@ -39,55 +40,55 @@ class OffloadActivations:
         self.simulate = simulate
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.offloaded_bytes = 0  # what went to the host in this forward (for reports and tests)
+        self._seen: dict[int, tuple[weakref.ref, _Packed]] = {}
+        self._counted: dict[int, weakref.ref] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _keep(self, tensor: torch.Tensor) -> bool:
         base = tensor._base if tensor._base is not None else tensor
+        same_device = tensor.device == self.device and not (self.force or self.simulate)
         return (isinstance(tensor, torch.nn.Parameter) or id(tensor) in self.param_ids or id(base) in self.param_ids
-                or (tensor.device == self.device and not self.force)
-                or tensor.untyped_storage().nbytes() < self.min_bytes)
+                or same_device or tensor.untyped_storage().nbytes() < self.min_bytes)
 
     def _pack(self, tensor: torch.Tensor):
-        if self.simulate and _is_fake(tensor):
-            if self._keep_simulated(tensor):
-                return tensor
-            self.offloaded_bytes += tensor.untyped_storage().nbytes()
-            return ("simulated", tensor.size(), tensor.stride(), tensor.dtype, tensor.device)
-        if self._keep(tensor):
+        simulated = self.simulate and _is_fake(tensor)
+        if not simulated and self.simulate or self._keep(tensor):
             return tensor
-        fake = _is_fake(tensor)  # the planner's trace: no real streams or pinned pages
-        host = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=self.device,
-                                   pin_memory=self.pin_memory and not fake)
-        event = None
+        # Autograd often saves one tensor several times (x feeds q, k and v): copy it once.
+        seen = self._seen.get(id(tensor))
+        if seen is not None and seen[0]() is tensor:
+            return seen[1]
+        packed = _Packed(tensor)
+        if not simulated:
+            self._copy_out(tensor, packed)
+        self._seen[id(tensor)] = (weakref.ref(tensor), packed)
+        storage = tensor.untyped_storage()
+        if self._counted.get(id(storage), lambda: None)() is not storage:  # views of one storage count once
+            self._counted[id(storage)] = weakref.ref(storage)
+            self.offloaded_bytes += storage.nbytes()
+        return packed
+
+    def _copy_out(self, tensor: torch.Tensor, packed: "_Packed") -> None:
+        fake = _is_fake(tensor)  # no real streams or pinned pages for fake tensors
+        packed.pinned = self.pin_memory and not fake
+        packed.host = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=self.device,
+                                          pin_memory=packed.pinned)
         if tensor.is_cuda and not fake:
             stream = _side_stream(tensor.device)
             stream.wait_stream(torch.cuda.current_stream(tensor.device))  # the tensor must be computed first
             with torch.cuda.stream(stream):
-                host.copy_(tensor, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
+                packed.host.copy_(tensor, non_blocking=True)
+                packed.event = torch.cuda.Event()
+                packed.event.record(stream)
             tensor.record_stream(stream)  # the allocator must not reuse it before the copy ends
         else:
-            host.copy_(tensor)
-        self.offloaded_bytes += tensor.untyped_storage().nbytes()
-        return (host, event, tensor.device, self.pin_memory and not fake)
-
-    def _keep_simulated(self, tensor: torch.Tensor) -> bool:
-        base = tensor._base if tensor._base is not None else tensor
-        return (isinstance(tensor, torch.nn.Parameter) or id(tensor) in self.param_ids or id(base) in self.param_ids
-                or tensor.untyped_storage().nbytes() < self.min_bytes)
+            packed.host.copy_(tensor)
 
     @staticmethod
     def _unpack(packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        if packed[0] == "simulated":
-            _, size, stride, dtype, device = packed
-            return torch.empty_strided(size, stride, dtype=dtype, device=device)
-        host, event, device, pinned = packed
-        if event is not None:
-            event.synchronize()  # the copy to host has finished (pinned memory is now valid)
-        return host.to(device, non_blocking=pinned)
+        return packed.restore()
 
     def __enter__(self):
         self._hooks.__enter__()
@@ -95,6 +96,30 @@ class OffloadActivations:
 
     def __exit__(self, *exc):
         return self._hooks.__exit__(*exc)
+
+
+class _Packed:
+    """An offloaded tensor: its host copy (None when simulated) and how to rebuild it on its device."""
+
+    __slots__ = ("size", "stride", "dtype", "device", "host", "event", "pinned", "restored")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.size, self.stride, self.dtype, self.device = tensor.size(), tensor.stride(), tensor.dtype, tensor.device
+        self.host, self.event, self.pinned, self.restored = None, None, False, None
+
+    def restore(self) -> torch.Tensor:
+        """Back on the device, once per backward however many times autograd asks for it."""
+        alive = self.restored() if self.restored is not None else None
+        if alive is not None:
+            return alive
+        if self.host is None:  # simulated: same shape, same bytes, values irrelevant (fake tensors)
+            tensor = torch.empty_strided(self.size, self.stride, dtype=self.dtype, device=self.device)
+        else:
+            if self.event is not None:
+                self.event.synchronize()  # the copy to host has finished (pinned memory is now valid)
+            tensor = self.host.to(self.device, non_blocking=self.pinned)
+        self.restored = weakref.ref(tensor)
+        return tensor
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:

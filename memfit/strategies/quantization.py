@@ -159,10 +159,9 @@ def quantize_model(model: nn.Module, quant: str, backend: str = "auto",
         return model
     if not is_quantized(model):
         chosen = choose_backend(quant, backend)
-        if any(p.device.type == "meta" for p in model.parameters()):
-            raise QuantizationError(f"quant: {quant}: cannot quantize weights on the meta device; materialise the "
-                                    "model first (to_empty under FakeTensorMode for a trace, or real weights)")
         make = {"bitsandbytes": _bnb_linear, "torchao": _torchao_linear}[chosen]
+        if any(p.device.type == "meta" for p in model.parameters()):
+            make = {"bitsandbytes": _bnb_meta_linear, "torchao": _torchao_meta_linear}[chosen]
         for parent, name, linear in _linears_to_quantize(model):
             setattr(parent, name, make(linear, quant, dtype))
         log.info("quantized the base Linear layers to %s with %s", quant, chosen)
@@ -209,9 +208,8 @@ def _bnb_fake_weight(new: nn.Module, weight: torch.Tensor, quant: str) -> None:
     if quant == "int8":
         scale = weight.abs().amax(dim=1).float()  # row-wise absmax, as Int8Params keeps in SCB
         new.weight = nn.Parameter(weight.to(torch.int8), requires_grad=False)
-        new.weight.SCB = new.state.SCB = scale
-        new.weight.CB = new.state.CB = None
-        new.weight.has_fp16_weights = False
+        new.register_buffer("quant_scb", scale, persistent=False)
+        _relink_int8_state(new, ())
         return
     packed, state = bnb.functional.quantize_4bit(weight, blocksize=BNB_BLOCK, compress_statistics=quant == "nf4-dq",
                                                  quant_type="fp4" if quant == "fp4" else "nf4",
@@ -236,8 +234,92 @@ def _torchao_linear(linear: nn.Linear, quant: str, dtype: torch.dtype) -> nn.Lin
     while blocks % scaler_block:
         scaler_block //= 2
     # torchao dequantizes to the weight's dtype; keep the weight in the compute dtype.
-    linear.weight = nn.Parameter(to_nf4(weight.to(dtype), TORCHAO_BLOCK, scaler_block), requires_grad=False)
+    nf4 = to_nf4(weight.to(dtype), TORCHAO_BLOCK, scaler_block)
+    for name in nf4.__tensor_flatten__()[0]:
+        inner = getattr(nf4, name)
+        if inner.device.type != "meta" and inner.untyped_storage().nbytes() > inner.numel() * inner.element_size():
+            setattr(nf4, name, inner.clone())  # a view that would keep its whole intermediate alive
+    linear.weight = nn.Parameter(nf4, requires_grad=False)
     return linear
+
+
+# --- on meta (the planner builds there, then materialises fake tensors with `to_empty`) ------------
+
+def _bnb_meta_linear(linear: nn.Linear, quant: str, dtype: torch.dtype) -> nn.Module:
+    """A bitsandbytes layer with the quantized tensors' shapes and dtypes but no data. `to_empty`
+    turns its parameter and buffers into fake tensors; a forward pre-hook then rebuilds the
+    quant_state object (plain Python, which `to_empty` does not see) from those buffers."""
+    bnb = require("bitsandbytes", f"quant: {quant}")
+    from bitsandbytes.functional import get_4bit_type
+
+    out_f, in_f, n = linear.out_features, linear.in_features, linear.weight.numel()
+    if quant == "int8":
+        new = bnb.nn.Linear8bitLt(in_f, out_f, bias=linear.bias is not None, has_fp16_weights=False,
+                                  threshold=INT8_THRESHOLD, device="meta")
+        new.weight = nn.Parameter(torch.empty(out_f, in_f, dtype=torch.int8, device="meta"), requires_grad=False)
+        new.register_buffer("quant_scb", torch.empty(out_f, device="meta"), persistent=False)
+        new.register_forward_pre_hook(_relink_int8_state)
+    else:
+        qtype = "fp4" if quant == "fp4" else "nf4"
+        new = bnb.nn.Linear4bit(in_f, out_f, bias=linear.bias is not None, compute_dtype=dtype,
+                                compress_statistics=quant == "nf4-dq", quant_type=qtype, device="meta")
+        blocks = -(-n // BNB_BLOCK)
+        new.weight = nn.Parameter(torch.empty((n + 1) // 2, 1, dtype=torch.uint8, device="meta"), requires_grad=False)
+        buffers = {"absmax": torch.empty(blocks, dtype=torch.uint8 if quant == "nf4-dq" else torch.float32),
+                   "code": torch.empty(len(get_4bit_type(qtype, device="cpu")))}
+        if quant == "nf4-dq":
+            buffers.update(absmax2=torch.empty(-(-blocks // 256)), code2=torch.empty(256), offset=torch.empty(()))
+        for name, tensor in buffers.items():
+            new.register_buffer(f"quant_{name}", tensor.to("meta"), persistent=False)
+        new._memfit_quant = (qtype, quant == "nf4-dq", linear.weight.dtype)
+        new.register_forward_pre_hook(_relink_4bit_state)
+        _relink_4bit_state(new, ())  # peft reads compress_statistics / quant_type when it wraps the layer
+    if linear.bias is not None:
+        new.bias = nn.Parameter(linear.bias.detach(), requires_grad=False)
+    return new
+
+
+def _relink_4bit_state(module: nn.Module, args) -> None:
+    from bitsandbytes.functional import QuantState
+
+    weight = module.weight
+    state = getattr(weight, "quant_state", None)
+    if state is not None and state.absmax is module.quant_absmax:
+        return
+    qtype, nested, orig_dtype = module._memfit_quant
+    state2 = QuantState(absmax=module.quant_absmax2, code=module.quant_code2, blocksize=256,
+                        dtype=torch.float32) if nested else None
+    weight.quant_state = module.quant_state = QuantState(
+        absmax=module.quant_absmax, shape=torch.Size([module.out_features, module.in_features]),
+        code=module.quant_code, blocksize=BNB_BLOCK, quant_type=qtype, dtype=orig_dtype,
+        offset=module.quant_offset if nested else None, state2=state2)
+    weight.compress_statistics, weight.quant_type, weight.bnb_quantized, weight.blocksize = (
+        nested, qtype, True, BNB_BLOCK)
+
+
+def _relink_int8_state(module: nn.Module, args) -> None:
+    # As Linear8bitLt.init_8bit_state leaves a real layer: the matmul state holds the int8 weight
+    # (the same storage) and its row scales; with state.CB unset bitsandbytes would re-quantize.
+    module.state.SCB, module.state.CB = module.quant_scb, module.weight.data
+    module.weight.SCB = module.weight.CB = None
+    module.weight.has_fp16_weights = False
+
+
+def _torchao_meta_linear(linear: nn.Linear, quant: str, dtype: torch.dtype) -> nn.Linear:
+    """torchao quantizes meta tensors fine, but its `empty_like` (used by `to_empty`) leaves two
+    small inner tensors (the 16-value table and the scaler mean) on meta; a pre-hook moves them."""
+    linear = _torchao_linear(linear, quant, dtype)
+    linear.register_forward_pre_hook(_nf4_off_meta)
+    return linear
+
+
+def _nf4_off_meta(module: nn.Module, args) -> None:
+    weight = module.weight
+    device = weight.quantized_data.device
+    for name in ("nf4", "scaler_mean"):
+        inner = getattr(weight, name)
+        if inner.device != device:
+            setattr(weight, name, torch.empty_like(inner, device=device))
 
 
 def track_quant_state(model: nn.Module) -> None:
@@ -255,7 +337,7 @@ def track_quant_state(model: nn.Module) -> None:
         else:
             continue
         for name, tensor in tensors.items():
-            if isinstance(tensor, torch.Tensor):
+            if isinstance(tensor, torch.Tensor) and getattr(module, f"quant_{name}", None) is not tensor:
                 module.register_buffer(f"quant_{name}", tensor, persistent=False)
 
 
@@ -269,9 +351,19 @@ def dequantized_weight(module: nn.Module) -> torch.Tensor:
     if getattr(weight, "quant_state", None) is not None:
         bnb = require("bitsandbytes", "dequantizing 4-bit weights")
         return bnb.functional.dequantize_4bit(weight.data, weight.quant_state).float()
-    if getattr(weight, "SCB", None) is not None:  # int8 rows: value * row absmax / 127
-        return weight.data.float() * weight.SCB.float().unsqueeze(1) / 127
+    scale = _int8_scale(module)
+    if scale is not None:  # int8 rows: value * row absmax / 127
+        return weight.data.float() * scale.float().unsqueeze(1) / 127
     raise QuantizationError(f"{type(module).__name__} holds no quantized weight to dequantize")
+
+
+def _int8_scale(module: nn.Module) -> torch.Tensor | None:
+    """Row scales of a bitsandbytes int8 layer: on the weight until the first forward, which
+    moves them into the layer's matmul state."""
+    scale = getattr(module.weight, "SCB", None)
+    if scale is None:
+        scale = getattr(getattr(module, "state", None), "SCB", None)
+    return scale
 
 
 def dequantize_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:

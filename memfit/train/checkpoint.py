@@ -314,6 +314,11 @@ def resume_state(resume: bool, out: Path, model, optimizer, scheduler, scaler, s
     if not resume:
         return TrainerState(data=stream.state_dict())
     found = find_good_checkpoint(out)
+    damaged = checkpoint_dirs(Path(out) / CHECKPOINTS_DIR) if (Path(out) / CHECKPOINTS_DIR).is_dir() else []
+    if found is None and damaged:  # starting over would silently throw the run away
+        raise CheckpointError(f"resume=true: every checkpoint in {Path(out) / CHECKPOINTS_DIR} is damaged "
+                              f"({', '.join(p.name for p in damaged)}: see the warnings above); move them away "
+                              "and resume to start from step 0, or set overwrite=true")
     if found is None:
         log.warning("resume=true: no usable checkpoint in %s; starting from step 0", Path(out) / CHECKPOINTS_DIR)
         truncate_metrics(out, 0)

@@ -75,9 +75,10 @@ def prepare_output_dir(cfg: RunConfig) -> Path:
     if not cfg.resume:
         (out / "metrics.jsonl").unlink(missing_ok=True)
         discard_checkpoints(out)
-    tmp = out / ".run_config.yaml.tmp"  # written aside and renamed: a kill never leaves half a config
-    tmp.write_text(cfg.to_yaml())
-    tmp.replace(out / "run_config.yaml")
+    if not (cfg.resume and (out / "run_config.yaml").exists()):  # a resumed run keeps its record as is
+        tmp = out / ".run_config.yaml.tmp"  # written aside and renamed: a kill never leaves half a config
+        tmp.write_text(cfg.to_yaml())
+        tmp.replace(out / "run_config.yaml")
     return out
 
 

@@ -40,13 +40,16 @@ class MemoryBudget(MemoryTracker):
         self.limit_bytes = limit_bytes
 
     def _add(self, nbytes: int) -> None:
-        super()._add(nbytes)
-        if nbytes > 0 and self.current_bytes > self.limit_bytes:
-            # The storage is already recorded; when the failed op's output is dropped, its weak
-            # reference fires and the bytes are given back, as after a real failed allocation.
+        if nbytes > 0 and self.current_bytes + nbytes > self.limit_bytes:
+            # Like a real failed allocation, it never counts toward the peak. The storage is already
+            # recorded, and its weak reference gives the bytes back when the failed op's output is
+            # dropped, so current_bytes carries them until then.
+            self._snapshot_if_pending()
+            self.current_bytes += nbytes
             raise torch.OutOfMemoryError(
-                f"memory_budget: allocating {format_bytes(nbytes)} would hold {format_bytes(self.current_bytes)}, "
-                f"above the budget of {format_bytes(self.limit_bytes)}")
+                f"memory_budget: allocating {format_bytes(nbytes)} would hold "
+                f"{format_bytes(self.current_bytes)}, above the budget of {format_bytes(self.limit_bytes)}")
+        super()._add(nbytes)
 
 
 def make_tracker(cfg):

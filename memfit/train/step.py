@@ -31,6 +31,8 @@ def _finite(value: torch.Tensor) -> bool:
 
     if isinstance(value, FakeTensor) or value.device.type == "meta":
         return True
+    if hasattr(value, "full_tensor"):  # a DTensor norm (FSDP2 gradients): the same global value on every rank
+        value = value.full_tensor()
     return bool(torch.isfinite(value).all())
 
 

@@ -70,3 +70,28 @@ def test_cpu_run_is_a_noop_and_says_so(caplog):
     assert factory().__class__.__name__ == "nullcontext"
     assert "no-op" in caplog.text
     assert activation_offload(False, torch.device("cuda"))().__class__.__name__ == "nullcontext"
+
+
+def test_traced_estimate_drops_the_offloaded_bytes():
+    """The planner's fake run for a CUDA target: saved activations leave the device and come back in backward."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from memfit.memory.tracker import MemoryTracker
+
+    def activations_after_forward(offload: bool):
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model = _model()
+            factory = activation_offload(offload, torch.device("cuda"), model.parameters(), min_bytes=0, traced=True)
+            with MemoryTracker() as tracker:
+                tracker.tag_module(model)
+                with tracker.phase("forward"), factory() as offloaded:
+                    loss = model(**_batch()).loss
+                saved = tracker.current_by_category()["activations"]
+                with tracker.phase("backward"):
+                    loss.backward()  # the re-created tensors must satisfy autograd
+        return saved, getattr(offloaded, "offloaded_bytes", 0)
+
+    kept, _ = activations_after_forward(False)
+    left, offloaded = activations_after_forward(True)
+    assert left <= 0.05 * kept  # what stays: the loss and tensors under min_bytes (none here)
+    assert offloaded == pytest.approx(kept, rel=0.05)

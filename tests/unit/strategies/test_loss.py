@@ -84,3 +84,15 @@ def test_peak_falls_when_logits_dominate():
 
 def test_off_is_the_models_own_loss():
     assert loss_function(False) is plain_loss
+
+
+def test_fake_tensor_trace_sees_the_same_saving():
+    """The planner traces the step on fake tensors: the chunked loss must run there and save the same."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    real = {c: _peak_bytes(loss_function(c, chunk_tokens=128)) for c in (False, True)}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = {c: _peak_bytes(loss_function(c, chunk_tokens=128)) for c in (False, True)}
+    for chunked in (False, True):
+        assert fake[chunked] == pytest.approx(real[chunked], rel=0.05)
+    assert fake[False] - fake[True] == pytest.approx(real[False] - real[True], rel=0.05)

@@ -190,3 +190,18 @@ def test_batch_stream_resumes_at_the_exact_example():
     resumed = BatchStream(examples, 3, 0, seed=4)
     resumed.load_state_dict(json.loads(json.dumps(part.state_dict())))  # through JSON, as on disk
     assert [resumed.next_batch()["input_ids"][:, 0].tolist() for _ in range(4)] == first[5:]
+
+
+def test_first_signal_requests_a_stop_and_the_second_gets_the_previous_handler():
+    import os
+    import signal
+
+    from memfit.train.signals import StopOnSignal
+
+    with StopOnSignal() as stop:
+        assert not stop.requested
+        os.kill(os.getpid(), signal.SIGINT)
+        assert stop.requested and stop.name == "SIGINT"
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice: Python's own handler is back
+            os.kill(os.getpid(), signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -1,0 +1,128 @@
+"""GPU validation: real training steps on a ~1B model vs the plan, on CUDA.
+
+    python bench/gpu_validate.py docs/gpu_validation.md [--model meta-llama/Llama-3.2-1B] [--steps 3]
+
+For each configuration: build the model from its preset config (random init, no download), apply
+memfit's strategies exactly as `memfit train` does, run a few optimizer steps on full-length random
+batches, and compare torch.cuda.max_memory_allocated / max_memory_reserved with the analytic plan
+(and the whole-GPU figure, total - free from cudaMemGetInfo, with the plan's nvidia-smi figure).
+Each configuration is isolated by try/except (an OOM is recorded, not fatal). Writes a markdown
+table with the date and the GPU's name to the given path. Without CUDA it says so and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import sys
+import time
+
+import torch
+
+CONFIGS = [  # RunConfig overrides; ~1B model, each well under a minute on a modern GPU
+    "precision=bf16-mixed optimizer=adamw micro_batch=4 seq_len=1024",
+    "precision=bf16-mixed optimizer=adamw-8bit checkpointing=full micro_batch=8 seq_len=1024",
+    "precision=bf16-pure optimizer=adamw micro_batch=4 seq_len=2048",
+    "precision=bf16-pure method=lora lora.rank=32 micro_batch=4 seq_len=1024",
+    "precision=bf16-mixed method=lora lora.targets=all-linear checkpointing=full micro_batch=8 seq_len=2048",
+    "precision=bf16-mixed method=qlora lora.targets=all-linear micro_batch=4 seq_len=1024",
+    "precision=bf16-mixed attention=eager optimizer=adamw-8bit micro_batch=2 seq_len=1024",
+]
+
+
+def run_one(overrides: list[str], steps: int) -> dict:
+    from memfit.config import load_config
+    from memfit.memory.analytic import analytic_estimate, device_total_bytes
+    from memfit.models.loading import build_model, load_model_config
+    from memfit.strategies.adapters import apply_method
+    from memfit.strategies.checkpointing import apply_checkpointing
+    from memfit.strategies.optimizers import build_optimizer
+    from memfit.strategies.precision import make_precision
+    from memfit.memory.tracker import NullTracker
+    from memfit.train.step import training_step
+
+    cfg = load_config(None, overrides + ["device=cuda"])
+    plan = analytic_estimate(cfg, load_model_config(cfg.model)[0], device="cuda")
+    device = torch.device("cuda")
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    precision = make_precision(cfg.precision, device)
+    kwargs = {}
+    try:
+        from memfit.strategies.quantization import quantized_loading
+        kwargs["load_kwargs"] = quantized_loading(cfg, device)
+    except ImportError:
+        pass
+    model = build_model(cfg.model, cfg.attention, dtype=precision.weight_dtype, **kwargs)
+    model.config.use_cache = False
+    try:
+        model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg, device)
+    except TypeError:  # older apply_method without a device argument
+        model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg)
+    model = model.to(device) if cfg.method != "qlora" else model
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device)
+    vocab = model.config.vocab_size
+    started = time.perf_counter()
+    for _ in range(steps):
+        ids = torch.randint(0, vocab, (cfg.micro_batch, cfg.seq_len), device=device)
+        batches = [dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+                   for _ in range(cfg.grad_accum)]
+        training_step(model, optimizer, batches, precision, NullTracker(), params, cfg.max_grad_norm)
+    torch.cuda.synchronize()
+    seconds = (time.perf_counter() - started) / steps
+    free, total = torch.cuda.mem_get_info()
+    measured = dict(allocated=torch.cuda.max_memory_allocated(), reserved=torch.cuda.max_memory_reserved(),
+                    device_now=total - free, reserved_now=torch.cuda.memory_reserved())
+    del model, optimizer, params
+    return dict(plan=plan, plan_device=device_total_bytes(plan), measured=measured, seconds=seconds)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("output", help="markdown file to write")
+    parser.add_argument("--model", default="meta-llama/Llama-3.2-1B")
+    parser.add_argument("--steps", type=int, default=3)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench/gpu_validate.py needs CUDA: torch sees no GPU here; nothing measured, nothing written (exit 0)")
+        return 0
+    gib = 2**30
+    name = torch.cuda.get_device_name()
+    rows = []
+    for overrides in CONFIGS:
+        words = [f"model={args.model}", *overrides.split()]
+        try:
+            r = run_one(words, args.steps)
+            p, m = r["plan"], r["measured"]
+            err_a = (p.peak_allocated_bytes - m["allocated"]) / m["allocated"]
+            err_r = (p.peak_reserved_bytes - m["reserved"]) / m["reserved"]
+            context = m["device_now"] - m["reserved_now"]  # context + libraries outside the allocator
+            rows.append(f"| `{overrides}` | {p.peak_allocated_bytes / gib:.2f} | {m['allocated'] / gib:.2f} | "
+                        f"{err_a:+.1%} | {p.peak_reserved_bytes / gib:.2f} | {m['reserved'] / gib:.2f} | {err_r:+.1%} | "
+                        f"{context / gib:.2f} | {r['seconds']:.2f} |")
+        except torch.OutOfMemoryError as exc:
+            rows.append(f"| `{overrides}` | | OOM | | | | | | | {str(exc).splitlines()[0][:80]}")
+        except Exception as exc:  # noqa: BLE001 - one failing configuration must not end the validation
+            rows.append(f"| `{overrides}` | error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]} | | | | | | | |")
+        print(rows[-1], flush=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+    header = [f"# GPU validation: plan vs measured ({args.model}, random init)", "",
+              f"Date: {datetime.date.today().isoformat()}. GPU: {name}. torch {torch.__version__}, CUDA {torch.version.cuda}.",
+              f"Command: `python bench/gpu_validate.py {' '.join(sys.argv[1:])}`. {args.steps} optimizer steps per row, "
+              "full-length random batches. GiB = 2^30 bytes.", "",
+              "| config | plan alloc GiB | max_memory_allocated GiB | error | plan reserved GiB | "
+              "max_memory_reserved GiB | error | outside allocator GiB (context) | s/step |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    with open(args.output, "w") as out:
+        out.write("\n".join(header + rows) + "\n")
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

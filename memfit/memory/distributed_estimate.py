@@ -1,0 +1,208 @@
+"""Per-rank memory of a distributed run: model states and activations for ddp, zero1/2/3,
+CPU offload, tensor parallel (K) and pipeline parallel (S), as memfit/distributed runs them.
+
+Closed form, in the same categories as the single-device analytic engine (memory/analytic.py),
+whose per-token activation and loss terms it reuses. N = data-parallel ranks.
+
+Model states per rank (W weights, G gradients, O optimizer states of one process):
+  ddp    W + G + O; DDP's gradient buckets (gradients are views into them) stay allocated
+         between steps, so G counts at every moment, not only after the backward.
+  zero1  W + G (buckets) + O/N                        ZeroRedundancyOptimizer
+  zero2  W/N + G/N + O/N; from the forward to each block's backward every block's gathered
+         (unsharded) weights stay: + W at the backward's start   FSDP2 reshard_after_forward=False
+  zero3  W/N + G/N + O/N; gathered: the root (embeddings, norm, lm_head) + 2 blocks (the one
+         computing and the one prefetched)                       FSDP2 reshard_after_forward=True
+  FSDP2 also holds one block's flat all-gather output while copying it out (+1 block).
+  offload (params/all, FSDP2 CPUOffloadPolicy): the sharded W, G, O live in host RAM; on a
+         CUDA device only the gathered blocks remain. On a CPU device nothing moves.
+  tp K   block linears split K ways (weights, grads, states, and the head/MLP-width
+         activations); embeddings, norms, lm_head and hidden-size activations replicated.
+  pp S   rank s: its blocks (+ embeddings on the first, norm + lm_head on the last; a tied
+         lm_head is a second copy there); GPipe keeps the activations of every pipeline
+         micro-batch of the step (micro_batch sequences padded to seq_len) until the backward.
+
+Peak = the larger of two moments: the backward's start (activations, loss buffers, gathered
+weights) and the optimizer step (all gradients + the optimizer's scratch: on CUDA torch's
+foreach kernels take one copy of the parameters; on CPU the per-tensor loop ~4 x the largest
+tensor). Validated against the tracker on 2 gloo ranks in tests/integration/test_distributed.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memfit.memory import analytic as single
+from memfit.memory.estimate import Estimate
+from memfit.memory.tracker import CATEGORIES
+
+CPU_OPTIMIZER_SCRATCH_TENSORS = 4  # torch's single-tensor AdamW: ~4 temporaries of the tensor updated
+
+
+@dataclass
+class RankStates:
+    """One rank's bytes, by what holds them."""
+
+    weights: int
+    gradients: int                  # when every gradient exists (after the backward)
+    optimizer_states: int
+    persistent_gradients: int = 0   # allocated at every moment (DDP buckets)
+    gathered_weights: int = 0       # FSDP2 unsharded weights alive at the backward's start
+    gather_buffer: int = 0          # FSDP2 flat all-gather output (one block)
+    host_bytes: int = 0             # offloaded to CPU RAM
+    notes: list[str] = field(default_factory=list)
+
+
+def _counts(shape) -> tuple[int, int, int]:
+    """(params of one block, params outside the blocks, params of one block's linears)."""
+    root = shape.embedding_params + shape.lm_head_params + shape.hidden  # + final norm
+    block = (shape.total_params - root) // max(shape.layers, 1)
+    return block, root, shape.block_linear_params // max(shape.layers, 1)
+
+
+def data_parallel_ranks(cfg, gpus: int) -> int:
+    return max(gpus // (cfg.tensor_parallel * cfg.pipeline_parallel), 1)
+
+
+def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> RankStates:
+    """Model-state bytes on one rank (stage: which pipeline stage, 0 = first)."""
+    weights, grads, states = (single.weights_bytes(shape, cfg), single.gradient_bytes(shape, cfg),
+                              single.optimizer_state_bytes(shape, cfg))
+    size = weights / max(shape.total_params, 1)  # bytes per weight
+    block, root, block_linear = _counts(shape)
+    n = data_parallel_ranks(cfg, gpus)
+    if cfg.tensor_parallel > 1:
+        k = cfg.tensor_parallel
+        kept = (shape.total_params - shape.layers * block_linear * (1 - 1 / k)) / shape.total_params
+        return RankStates(int(weights * kept), int(grads * kept), int(states * kept),
+                          notes=[f"tensor parallel {k}: block linears split {k} ways"])
+    if cfg.pipeline_parallel > 1:
+        s = cfg.pipeline_parallel
+        blocks = len(_stage_blocks(shape.layers, s, stage))
+        params = blocks * block + (shape.embedding_params if stage == 0 else 0)
+        if stage == s - 1:  # final norm + lm_head (its own copy when tied to the embeddings)
+            params += shape.hidden + (shape.lm_head_params or shape.embedding_params)
+        kept = params / shape.total_params
+        return RankStates(int(weights * kept), int(grads * kept), int(states * kept),
+                          notes=[f"pipeline stage {stage} of {s}: {blocks} blocks"])
+    sharding = cfg.sharding
+    if sharding in ("none", "ddp"):
+        return RankStates(weights, grads, states, persistent_gradients=grads if sharding == "ddp" else 0)
+    if sharding == "zero1":
+        return RankStates(weights, grads, -(-states // n), persistent_gradients=grads)
+    out = RankStates(-(-weights // n), -(-grads // n), -(-states // n))
+    gathered = weights if sharding == "zero2" else int((root + 2 * block) * size)
+    out.gathered_weights, out.gather_buffer = gathered, int(block * size)
+    if cfg.offload in ("params", "all") and device == "cuda":
+        out.host_bytes = out.weights + out.gradients + out.optimizer_states
+        out.weights = out.gradients = out.optimizer_states = 0
+        out.notes.append("offload: sharded weights, gradients and optimizer states in host RAM")
+    return out
+
+
+def _stage_blocks(layers: int, stages: int, stage: int) -> range:
+    from memfit.distributed.pipeline import stage_blocks
+
+    return stage_blocks(layers, stages, stage)
+
+
+def rank_activations(shape, cfg, stage: int = 0) -> int:
+    """Activation bytes at the backward's start on one rank."""
+    acts = single.activation_bytes(shape, cfg)
+    if cfg.tensor_parallel > 1:
+        k = cfg.tensor_parallel
+        layer = single._layer_bytes(shape, cfg)
+        per_token = single._layer_activation_bytes_per_token(shape, cfg)
+        # split tensors per token: q, k, v, attention output (head width), MLP gate/up/act/product (MLP width)
+        c = single._compute_size(cfg)
+        split = min((2 * shape.q_dim + 2 * shape.kv_dim + 4 * shape.intermediate) * c, per_token)
+        tokens = cfg.micro_batch * cfg.seq_len
+        saved = shape.layers * (split * tokens + single._attention_scores_bytes(shape, cfg)) * (1 - 1 / k)
+        return int(acts - min(saved, shape.layers * layer))
+    if cfg.pipeline_parallel > 1:
+        s = cfg.pipeline_parallel
+        blocks = len(_stage_blocks(shape.layers, s, stage))
+        padded = cfg.model_copy(update={"micro_batch": cfg.micro_batch})
+        layer = single._layer_bytes(shape, padded)
+        hidden_in = cfg.micro_batch * cfg.seq_len * shape.hidden * single._weight_size(cfg)
+        out = blocks * layer + hidden_in  # + the stage's received (or embedded) input
+        if stage == s - 1:  # logits and the fp32 log-softmax of every pipeline micro-batch
+            out += 2 * single._loss_bytes(shape, cfg)
+        return int(out)
+    return acts
+
+
+def _largest_tensor_bytes(shape, cfg, states: RankStates) -> int:
+    size = single._trainable_size(cfg)
+    if cfg.method != "full":
+        return max((cfg.lora.rank * max(i, o) for _, i, o in single.adapted_linears(shape, cfg)), default=0) * 4
+    largest = max([shape.embedding_params, shape.lm_head_params] + [i * o for _, i, o in shape.linear])
+    if cfg.tensor_parallel > 1:
+        largest = max(shape.embedding_params, shape.lm_head_params,
+                      max(i * o for _, i, o in shape.linear) // cfg.tensor_parallel)
+    if cfg.sharding in ("zero2", "zero3"):
+        largest = -(-largest // data_parallel_ranks(cfg, 2))
+    return largest * size
+
+
+def optimizer_scratch(shape, cfg, states: RankStates, device: str) -> int:
+    if cfg.optimizer not in ("adamw", "sgd", "adafactor"):
+        return 0
+    if device == "cuda":  # foreach kernels: one scratch copy of the rank's trainable parameters
+        return states.gradients
+    return CPU_OPTIMIZER_SCRATCH_TENSORS * _largest_tensor_bytes(shape, cfg, states)
+
+
+def rank_moments(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> dict[str, dict[str, int]]:
+    """Bytes per category on one rank at the two moments that can peak."""
+    st = rank_states(shape, cfg, gpus, device, stage)
+    acts = rank_activations(shape, cfg, stage)
+    loss_buffers = 0 if cfg.pipeline_parallel > 1 else 2 * single._loss_bytes(shape, cfg)
+    base = dict(weights=st.weights, optimizer_states=st.optimizer_states)
+    return {
+        "backward_start": dict(base, gradients=st.persistent_gradients, activations=acts + st.gathered_weights,
+                               temporaries=loss_buffers + st.gather_buffer),
+        "optimizer_step": dict(base, gradients=max(st.gradients, st.persistent_gradients), activations=0,
+                               temporaries=optimizer_scratch(shape, cfg, st, device)),
+    }
+
+
+def rank_estimate(cfg, gpus: int, device: str = "cuda", model_config=None) -> Estimate:
+    """The largest per-rank peak (over pipeline stages) as an Estimate, same fields as one GPU's."""
+    if model_config is None:
+        from memfit.models.loading import load_model_config
+
+        model_config, _ = load_model_config(cfg.model)
+    shape = single.model_shape(model_config)
+    stages = range(cfg.pipeline_parallel) if cfg.pipeline_parallel > 1 else [0]
+    best = None
+    for stage in stages:
+        for moment, cats in rank_moments(shape, cfg, gpus, device, stage).items():
+            total = sum(cats.values())
+            if best is None or total > best[0]:
+                best = (total, moment, stage, cats)
+    total, moment, stage, cats = best
+    states = rank_states(shape, cfg, gpus, device, stage)
+    by_category = {c: int(cats.get(c, 0)) for c in CATEGORIES}
+    notes = [f"per rank ({gpus} ranks): peak at {moment.replace('_', ' ')}"
+             + (f", pipeline stage {stage}" if cfg.pipeline_parallel > 1 else ""), *states.notes]
+    return Estimate(peak_allocated_bytes=int(total), peak_reserved_bytes=int(total), by_category=by_category,
+                    cpu_ram_bytes=states.host_bytes, engine="analytic", notes=notes)
+
+
+def per_rank_candidates(candidates: dict, shape, cfg, gpus: int, device: str = "cuda") -> dict:
+    """For analytic.analytic_estimate: replace its moments by the per-rank ones when distributed."""
+    if gpus <= 1 and cfg.sharding == "none":
+        return candidates
+    return rank_moments(shape, cfg, gpus, device)
+
+
+# --- DeepSpeed's published ZeRO formulas, for docs/distributed.md ---------------------------------
+
+def zero_model_states_like_deepspeed(total_params: int, largest_layer_params: int, gpus: int, stage: int) -> int:
+    """Per-GPU model-state bytes of memfit's ZeRO terms under DeepSpeed's byte layout (fp16
+    weights 2, fp16 + fp32 gradients 2 + 4, fp32 master weights 4, Adam moments 8 = 18 sharded),
+    to compare with deepspeed.runtime.zero.stage_1_and_2 / stage3 estimate_*_mem_needs."""
+    if stage == 2:  # fp16 weights replicated, the rest sharded
+        return 2 * total_params + 18 * total_params // gpus
+    # stage 3: everything sharded, plus the largest layer gathered in fp32 as DeepSpeed counts it
+    return 4 * largest_layer_params + 18 * total_params // gpus

@@ -1,0 +1,263 @@
+"""Bad input gets one clear line (`memfit: error: ...`, exit status 2, no traceback) saying what and where,
+and nothing already written is changed.
+
+Each case is one row of the table in docs/reliability.md, and the test checks that the row shows exactly
+the message the user sees (temporary paths written as <tmp>). After changing a message, regenerate the
+rows with:   MEMFIT_UPDATE_DOCS=1 .venv/bin/python -m pytest tests/integration/test_bad_input.py
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import yaml
+
+from memfit.cli import main
+from memfit.config import load_config
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
+BEGIN, END = "<!-- bad-input-table:begin -->", "<!-- bad-input-table:end -->"
+UPDATE = os.environ.get("MEMFIT_UPDATE_DOCS") == "1"
+
+BASE = {"model": "memfit/tiny-llama", "data": {"path": "texts.jsonl", "format": "text"}, "precision": "fp32",
+        "optimizer": "adamw", "micro_batch": 2, "seq_len": 32, "max_steps": 2, "warmup_steps": 0,
+        "save_every": 1, "log_every": 1, "device": "cpu", "track_memory": False}
+
+
+@dataclass
+class Case:
+    id: str
+    what: str                                   # the bad input, as the doc's first column says it
+    overrides: list[str] = field(default_factory=list)
+    setup: Callable[[Path], list[str]] | None = None  # prepares files in tmp; may return more overrides
+    mentions: tuple[str, ...] = ()              # the "what and where" the message must contain
+    new_files_ok: bool = False                  # the run may add files (it failed while saving)
+
+
+# ---------------------------------------------------------------- setups
+
+
+def _model_dir(tmp: Path, name: str, config: dict | None = None, raw: str | None = None) -> list[str]:
+    folder = tmp / name
+    folder.mkdir()
+    if raw is not None or config is not None:
+        (folder / "config.json").write_text(raw if raw is not None else json.dumps(config))
+    return [f"model={folder}"]
+
+
+def _bert(tmp: Path) -> list[str]:
+    from transformers import BertConfig
+
+    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp / "bert")
+    return [f"model={tmp / 'bert'}"]
+
+
+def _distilbert(tmp: Path) -> list[str]:
+    from transformers import DistilBertConfig
+
+    DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64).save_pretrained(tmp / "distilbert")
+    return [f"model={tmp / 'distilbert'}"]
+
+
+def _pickled_weights(tmp: Path) -> list[str]:
+    from transformers import LlamaConfig
+
+    folder = tmp / "pickled"
+    LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                num_attention_heads=2).save_pretrained(folder)
+    torch.save({"model.embed_tokens.weight": torch.zeros(1), "payload": Path}, folder / "pytorch_model.bin")
+    return [f"model={folder}"]
+
+
+def _data(tmp: Path, text: str, fmt: str = "text") -> list[str]:
+    (tmp / "bad.jsonl").write_text(text)
+    return [f"data.path={tmp / 'bad.jsonl'}", f"data.format={fmt}"]
+
+
+def _cfg_file(tmp: Path, text: str) -> list[str]:
+    (tmp / "config.yaml").write_text(text)
+    return []
+
+
+def _existing_run(tmp: Path, **changes) -> Path:
+    """An output folder holding a finished-looking run of the same (or a changed) config."""
+    run = tmp / "run"
+    run.mkdir()
+    (run / "run_config.yaml").write_text(load_config(tmp / "config.yaml", [f"output_dir={run}",
+                                                                          *[f"{k}={v}" for k, v in changes.items()]]).to_yaml())
+    (run / "metrics.jsonl").write_text('{"step": 1, "loss": 5.0}\n')
+    (run / "checkpoints" / "step-00000001").mkdir(parents=True)
+    (run / "checkpoints" / "step-00000001" / "model.safetensors").write_bytes(b"weights of another run")
+    return run
+
+
+def _with_run(tmp: Path, **changes) -> list[str]:
+    _existing_run(tmp, **changes)
+    return []
+
+
+def _damaged_checkpoint(tmp: Path) -> list[str]:
+    run = _existing_run(tmp)
+    (run / "checkpoints" / "step-00000001" / "manifest.json").write_text(json.dumps(
+        {"format": 1, "step": 1, "files": {"model.safetensors": {"bytes": 999, "sha256": "0" * 64}}}))
+    return ["resume=true"]
+
+
+CASES = [
+    Case("unknown-field", "unknown config field `micro_bach=2`", ["micro_bach=2"], mentions=("micro_bach", "micro_batch")),
+    Case("invalid-values", "two invalid values at once: `lr=-1 precision=fp8`", ["lr=-1", "precision=fp8"],
+         mentions=("lr:", "precision:", "2 problem(s)")),
+    Case("yaml-syntax", "config file that is not valid YAML", setup=lambda t: _cfg_file(t, "model: [unclosed\nlr: 1\n"),
+         mentions=("config.yaml", "line")),
+    Case("override-form", "command-line override without `=`", ["micro_batch"], mentions=("micro_batch", "key=value")),
+    Case("model-missing", "model path that does not exist", ["model=/nonexistent/model"],
+         mentions=("model.name", "/nonexistent/model")),
+    Case("model-no-config", "model folder without config.json", setup=lambda t: _model_dir(t, "empty"),
+         mentions=("empty", "config.json")),
+    Case("model-unreadable", "model config.json that is not valid JSON",
+         setup=lambda t: _model_dir(t, "garbage", raw="{not json"), mentions=("garbage/config.json", "could not be read")),
+    Case("model-unknown-type", "model config.json with an unknown model_type",
+         setup=lambda t: _model_dir(t, "unknown", {"model_type": "notamodel"}), mentions=("notamodel",)),
+    Case("model-remote-code", "model that ships its own code, trust_remote_code not set",
+         setup=lambda t: _model_dir(t, "remote", {"model_type": "foo", "auto_map": {
+             "AutoConfig": "configuration_foo.FooConfig", "AutoModelForCausalLM": "modeling_foo.FooForCausalLM"}}),
+         mentions=("remote", "trust_remote_code")),
+    Case("model-encoder", "a saved BERT encoder config", setup=_bert, mentions=("bert", "not a causal language model")),
+    Case("model-not-causal", "a saved DistilBERT config (no causal LM class at all)", setup=_distilbert,
+         mentions=("distilbert", "not a causal language model")),
+    Case("model-pickled-weights", "pytorch_model.bin holding pickled objects besides tensors", setup=_pickled_weights,
+         mentions=("pickled", "safetensors")),
+    Case("strategy-backend", "incompatible strategy mix: `optimizer=lion optimizer_backend=torchao`",
+         ["optimizer=lion", "optimizer_backend=torchao"], mentions=("optimizer_backend", "lion")),
+    Case("strategy-offload", "incompatible strategy mix: `offload=all` without sharding", ["offload=all"],
+         mentions=("offload", "sharding")),
+    Case("data-missing", "data path that does not exist", ["data.path=/nonexistent/data.jsonl"],
+         mentions=("data.path", "/nonexistent/data.jsonl")),
+    Case("data-invalid-json", "data file with a broken JSON line",
+         setup=lambda t: _data(t, '{"text": "ok"}\n{"text": "fine"}\n{"text": "broken\n'), mentions=("bad.jsonl:3",)),
+    Case("data-missing-field", "alpaca record without `output`",
+         setup=lambda t: _data(t, '{"instruction": "a", "output": "b"}\n{"instruction": "c"}\n', "alpaca"),
+         mentions=("bad.jsonl:2", "output")),
+    Case("data-not-object", "data line that is a JSON list, not an object",
+         setup=lambda t: _data(t, '{"text": "ok"}\n["text", "no"]\n'), mentions=("bad.jsonl:2", "object")),
+    Case("output-holds-run", "output_dir that already holds another run",
+         setup=lambda t: _with_run(t), mentions=("run", "resume=true", "overwrite=true")),
+    Case("resume-and-overwrite", "`resume=true overwrite=true` together", ["resume=true", "overwrite=true"],
+         setup=lambda t: _with_run(t), mentions=("resume", "overwrite")),
+    Case("resume-other-run", "resume=true into a folder whose run used another lr", ["resume=true"],
+         setup=lambda t: _with_run(t, lr=0.1), mentions=("run_config.yaml", "lr: 0.1")),
+    Case("resume-damaged", "resume=true when every checkpoint is damaged", setup=_damaged_checkpoint,
+         mentions=("step-00000001", "damaged")),
+    Case("disk-full", "disk full while writing the checkpoint of step 2 (simulated ENOSPC)",
+         mentions=("step-00000002", "No space left on device", "step-00000001 is intact"), new_files_ok=True),
+]
+
+
+# ---------------------------------------------------------------- running a case
+
+
+def _snapshot(root: Path) -> dict[Path, bytes]:
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def _fill_disk_on_step_2(monkeypatch) -> None:
+    from memfit.train import checkpoint
+
+    real = checkpoint._write_bytes
+
+    def write(path: Path, data: bytes) -> None:
+        if ".tmp-step-00000002" in str(path) and path.name == "training_state.pt":  # mid-checkpoint
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+        real(path, data)
+
+    monkeypatch.setattr(checkpoint, "_write_bytes", write)
+
+
+def run_case(case: Case, tmp: Path, capsys, monkeypatch) -> tuple[int, str]:
+    (tmp / "texts.jsonl").write_text("".join(json.dumps({"text": f"record {i} of the test data"}) + "\n"
+                                             for i in range(8)))
+    (tmp / "config.yaml").write_text(yaml.safe_dump({**BASE, "data": {**BASE["data"], "path": str(tmp / "texts.jsonl")}}))
+    overrides = [*(case.setup(tmp) if case.setup else []), *case.overrides]
+    if case.id == "disk-full":
+        _fill_disk_on_step_2(monkeypatch)
+    before = _snapshot(tmp)
+    capsys.readouterr()
+    status = main(["train", str(tmp / "config.yaml"), f"output_dir={tmp / 'run'}", *overrides, "--no-progress"])
+    stderr = capsys.readouterr().err
+    after = _snapshot(tmp)
+    assert {p: after.get(p) for p in before} == before, "a file that existed before was changed or removed"
+    if not case.new_files_ok:
+        assert after.keys() == before.keys(), f"files were written: {sorted(map(str, after.keys() - before.keys()))}"
+    return status, stderr
+
+
+def _user_message(stderr: str, tmp: Path) -> str:
+    assert "Traceback" not in stderr
+    start = stderr.index("memfit: error: ")  # log lines (warnings) may come before it
+    message = stderr[start:].rstrip("\n").replace(str(tmp), "<tmp>")
+    return message
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", "<br>")
+
+
+def _doc_rows() -> dict[str, tuple[str, str]]:
+    text = DOC.read_text()
+    table = text[text.index(BEGIN):text.index(END)]
+    rows = {}
+    for line in table.splitlines():
+        cells = re.split(r"(?<!\\) \| ", line.strip().strip("|").strip())
+        if len(cells) == 3 and cells[0].startswith("`") and cells[0] != "`id`":
+            rows[cells[0].strip("`")] = (cells[1], cells[2])
+    return rows
+
+
+def _write_row(case: Case, message: str) -> None:
+    text = DOC.read_text()
+    head, rest = text.split(BEGIN)
+    table, tail = rest.split(END)
+    rows = _doc_rows()
+    rows[case.id] = (_cell(case.what), _cell(message))
+    order = [c.id for c in CASES]
+    lines = ["| `id` | bad input | what the user sees (stderr; exit status 2) |", "|---|---|---|"]
+    lines += [f"| `{cid}` | {rows[cid][0]} | {rows[cid][1]} |" for cid in sorted(rows, key=lambda c: order.index(c)
+                                                                                 if c in order else len(order))]
+    DOC.write_text(f"{head}{BEGIN}\n" + "\n".join(lines) + f"\n{END}{tail}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_bad_input_is_refused_clearly_and_damages_nothing(case, tmp_path, capsys, monkeypatch):
+    status, stderr = run_case(case, tmp_path, capsys, monkeypatch)
+    assert status == 2, stderr
+    message = _user_message(stderr, tmp_path)
+    for needle in case.mentions:
+        assert needle in message, f"{needle!r} missing from: {message}"
+    if case.id == "disk-full":  # the previous checkpoint is whole and still resumable
+        from memfit.train.checkpoint import checkpoint_dirs, verify
+
+        kept = checkpoint_dirs(tmp_path / "run" / "checkpoints")
+        assert [p.name for p in kept] == ["step-00000001"] and verify(kept[0]) is None
+        assert not list((tmp_path / "run" / "checkpoints").glob(".tmp-*"))
+    if UPDATE:
+        _write_row(case, message)
+    assert _doc_rows().get(case.id) == (_cell(case.what), _cell(message)), \
+        "docs/reliability.md shows another message: rerun with MEMFIT_UPDATE_DOCS=1"
+
+
+def test_doc_table_has_a_row_for_every_case_and_no_other():
+    assert list(_doc_rows()) == [c.id for c in CASES]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_cuda_asked_for_without_a_gpu(tmp_path, capsys, monkeypatch):
+    status, stderr = run_case(Case("no-cuda", "", ["device=cuda"]), tmp_path, capsys, monkeypatch)
+    assert status == 2 and "device: cuda was asked for" in _user_message(stderr, tmp_path)

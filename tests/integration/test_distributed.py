@@ -1,0 +1,185 @@
+"""Scale-out on PyTorch's engines: 2 gloo processes on the CPU, tiny Llama, fixed-length data.
+
+One torchrun runs every engine (ddp, zero1, zero2, zero3, zero3 + offload, tensor parallel 2,
+pipeline 2) through `memfit.train.loop.train` in the same two processes (the worker script
+below); a second torchrun runs the real command line (`-m memfit train`) with sharded
+checkpoints, which a single process then resumes (re-sharded onto 1 rank). Checks:
+
+  losses     every engine's losses equal the single-process run's within LOSS_TOLERANCE
+             (data parallel: 2 ranks x micro_batch 1 = the single run's micro_batch 2)
+  exit       every torchrun exits 0
+  memory     per-rank measured peak (memfit's tracker) falls ddp > zero1 > zero2 > zero3,
+             and the planner's per-rank estimate is within 5% of each measurement
+  files      the final model is ordinary safetensors equal to the single run's weights
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit.config import load_config
+
+pytestmark = pytest.mark.slow  # ~2-3 min on 2 cores: two torchrun launches + single-process runs
+
+ROOT = Path(__file__).resolve().parents[2]
+LOSS_TOLERANCE = 1e-4      # relative; float32 reductions split over ranks differ in the last bits
+ESTIMATE_TOLERANCE = 0.05  # the issue's acceptance: per-rank estimate within 5% of the measurement
+TIMEOUT_S = 420            # a hung rank fails the test instead of hanging CI
+STEPS = 3
+
+ENGINES = {  # name -> overrides; data-parallel engines use micro_batch 1 per rank (2 ranks = 2)
+    "ddp": ["sharding=ddp", "micro_batch=1"],
+    "zero1": ["sharding=zero1", "micro_batch=1"],
+    "zero2": ["sharding=zero2", "micro_batch=1"],
+    "zero3": ["sharding=zero3", "micro_batch=1"],
+    "zero3_offload": ["sharding=zero3", "offload=all", "micro_batch=1"],
+    "tp2": ["tensor_parallel=2"],
+    "pp2": ["pipeline_parallel=2", "max_grad_norm=null"],
+}
+
+WORKER = '''
+import os, sys, torch.distributed as dist
+from memfit.config import load_config
+from memfit.train.loop import train
+
+dist.init_process_group("gloo")  # one group for every run; train() leaves a group it did not create
+config, out = sys.argv[1], sys.argv[2]
+for line in open(os.path.join(out, "engines.txt")):
+    name, *overrides = line.split()
+    train(load_config(config, [f"output_dir={os.path.join(out, name)}", *overrides]), progress=False)
+dist.barrier(); dist.destroy_process_group(); os._exit(0)
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    return env
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
+    return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def _losses(run_dir: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _rank_peaks(run_dir: Path) -> list[int]:
+    ranks = json.loads((run_dir / "distributed_memory.json").read_text())["ranks"]
+    return [r["measured_peak_bytes"] for r in ranks]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Write data and config, run the single-process reference and every engine once."""
+    from memfit.train.loop import train
+
+    root = tmp_path_factory.mktemp("distributed")
+    rng = random.Random(0)
+    words = ["alpha", "beta", "gamma", "delta", "memory", "shard", "rank", "stage"]
+    with open(root / "data.jsonl", "w") as f:  # every example longer than seq_len: no padding anywhere
+        for _ in range(48):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(80))}) + "\n")
+    config = root / "run.yaml"
+    config.write_text(
+        f"max_steps: {STEPS}\nmicro_batch: 2\nseq_len: 64\nlog_every: 1\nsave_every: 0\nlr: 0.001\n"
+        "warmup_steps: 0\nlr_schedule: constant\nmax_grad_norm: 100.0\ndevice: cpu\noverwrite: true\n"
+        f"data:\n  path: {root / 'data.jsonl'}\n  format: text\n")
+    (root / "engines.txt").write_text("".join(f"{name} {' '.join(o)}\n" for name, o in ENGINES.items()))
+    (root / "worker.py").write_text(WORKER)
+
+    single = train(load_config(config, [f"output_dir={root / 'single'}"]), progress=False)
+    engines = _torchrun(str(root / "worker.py"), str(config), str(root))
+    return root, config, single, engines
+
+
+def test_every_engine_exits_cleanly(runs):
+    root, _, _, engines = runs
+    assert engines.returncode == 0, engines.stderr[-4000:]
+    for name in ENGINES:
+        assert (root / name / "model.safetensors").exists(), name
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_losses_match_single_process(runs, name):
+    root, _, single, engines = runs
+    assert engines.returncode == 0, engines.stderr[-4000:]
+    losses = _losses(root / name)
+    assert len(losses) == STEPS
+    assert losses == pytest.approx(single.losses, rel=LOSS_TOLERANCE), name
+    assert losses[-1] < losses[0]  # it trained
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_final_weights_match_single_process(runs, name):
+    from safetensors.torch import load_file
+
+    root, *_ = runs
+    reference = load_file(root / "single" / "model.safetensors")
+    weights = load_file(root / name / "model.safetensors")
+    assert set(reference) <= set(weights)
+    for key, value in reference.items():
+        # Adam divides by sqrt(v): last-bit gradient differences move weights by ~lr * 1e-2 at most
+        torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"{name}: {key}")
+
+
+def test_memory_falls_as_the_zero_stage_rises(runs):
+    root, *_ = runs
+    peak = {name: max(_rank_peaks(root / name)) for name in ("ddp", "zero1", "zero2", "zero3", "zero3_offload")}
+    assert peak["ddp"] > peak["zero1"] > peak["zero2"] > peak["zero3"], peak
+    # On a CPU device the offload target is where the shards already are: no further saving here
+    # (the device-side saving is checked on CUDA in tests/gpu/test_distributed_gpu.py).
+    assert peak["zero3_offload"] <= peak["zero3"], peak
+
+
+@pytest.mark.parametrize("name", list(ENGINES))
+def test_planner_estimate_within_5_percent(runs, name):
+    from memfit.memory.distributed_estimate import rank_estimate
+
+    root, config, *_ = runs
+    cfg = load_config(config, [f"output_dir={root / name}", *ENGINES[name]])
+    estimate = rank_estimate(cfg, gpus=2, device="cpu").peak_allocated_bytes
+    measured = max(_rank_peaks(root / name))
+    assert abs(estimate - measured) <= ESTIMATE_TOLERANCE * measured, (name, estimate, measured)
+
+
+def test_command_line_checkpoints_and_resumes_on_fewer_ranks(runs, tmp_path):
+    """torchrun -m memfit train (zero3, 2 ranks, sharded checkpoints) -> resume on 1 rank."""
+    root, config, single, _ = runs
+    out = tmp_path / "cli"
+    first = _torchrun("-m", "memfit", "train", str(config), f"output_dir={out}", "sharding=zero3",
+                      "micro_batch=1", f"max_steps={STEPS - 1}", "save_every=1", "--no-progress")
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert (out / "model.safetensors").exists() and (out / "config.json").exists()
+    saved = sorted((out / "checkpoints").glob("sharded-step-*"))
+    assert [p.name for p in saved] == ["sharded-step-00000001", "sharded-step-00000002"]
+
+    # One process, same zero3 config, micro_batch 2 (the same global batch): DCP re-shards 2 -> 1.
+    env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    resumed = subprocess.run([sys.executable, "-m", "memfit", "train", str(config), f"output_dir={out}",
+                              "sharding=zero3", "micro_batch=1", f"max_steps={STEPS}", "resume=true",
+                              "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    losses = _losses(out)
+    assert len(losses) == STEPS
+    assert losses[:STEPS - 1] == pytest.approx(single.losses[:STEPS - 1], rel=LOSS_TOLERANCE)

@@ -1,0 +1,54 @@
+"""`memfit plan` end to end: table, JSON, --write-config that `memfit train` accepts, chart, offline hub id."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from memfit.cli import main
+from memfit.config import load_config
+from memfit.train.loop import train
+
+
+def test_table_has_units_and_every_named_line(capsys):
+    assert main(["plan", "meta-llama/Llama-2-7b-hf", "--method", "lora", "--precision", "bf16-pure",
+                 "--micro-batch", "2", "--seq-len", "512", "--lora-rank", "32", "--budget", "24GiB"]) == 0
+    out = capsys.readouterr().out
+    for line in ("GiB = 2^30 bytes", "trainable master weights", "gradients", "optimizer states",
+                 "activations", "temporaries", "cuda context", "allocator reserve", "max_memory_allocated",
+                 "max_memory_reserved", "CPU RAM", "tier 1", "tier 2", "tier 3", "Recommendation"):
+        assert line in out, line
+
+
+def test_json_write_config_and_train_one_step(tmp_path, capsys):
+    path = tmp_path / "plan.yaml"
+    assert main(["plan", "memfit/tiny-llama", "--json", "--budget", "60MiB", "--device", "cpu", "--seq-len", "128",
+                 "--micro-batch", "8", "--write-config", str(path)]) == 0
+    result = json.loads(capsys.readouterr().out)
+    est = result["estimate"]
+    assert est["peak_allocated_bytes"] == sum(est["by_category"].values())
+    assert est["peak_reserved_bytes"] >= est["peak_allocated_bytes"] and est["cpu_ram_bytes"] > 0
+    assert [t["tier"] for t in result["tiers"]] == [1, 2, 3]
+    recommendation = result["recommendation"]
+    assert recommendation is not None
+    cfg = load_config(path, [f"output_dir={tmp_path / 'run'}", "max_steps=1", "data.limit=16", "device=cpu"])
+    assert cfg.method == recommendation["method"] and cfg.micro_batch == recommendation["micro_batch"]
+    run = train(cfg, progress=False)
+    assert len(run.losses) == 1 and run.losses[0] > 0
+
+
+def test_chart_is_a_png(tmp_path):
+    chart = tmp_path / "tiers.png"
+    assert main(["plan", "meta-llama/Llama-3.2-1B", "--budget", "16GiB", "--chart", str(chart)]) == 0
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unknown_hub_id_offline_says_so_and_suggests_presets():
+    env = dict(os.environ, HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "memfit", "plan", "someone/not-a-real-model-xyz"],
+                          capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 2
+    assert "memfit presets" in proc.stderr and "hub" in proc.stderr
+    assert "Traceback" not in proc.stderr

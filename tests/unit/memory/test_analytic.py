@@ -1,0 +1,172 @@
+"""The analytic engine against the tracker's measurement of the real step, and the seed arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memfit.config import load_config
+from memfit.memory import analytic
+from memfit.memory.analytic import analytic_estimate, model_shape
+from memfit.memory.tracker import MemoryTracker
+from memfit.models.loading import build_model, load_model_config
+from memfit.models.presets import load_preset_config
+from memfit.strategies.adapters import apply_method
+from memfit.strategies.checkpointing import apply_checkpointing
+from memfit.strategies.optimizers import build_optimizer
+from memfit.strategies.precision import make_precision
+from memfit.train.step import training_step
+
+GB = 10**9
+
+
+def measure_peak(cfg, steps: int = 2) -> tuple[int, dict]:
+    """Peak tracked bytes of `steps` real training steps on CPU, set up as train() does (full-length batches)."""
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    precision = make_precision(cfg.precision, device)
+    model = build_model(cfg.model, cfg.attention, dtype=precision.weight_dtype)
+    model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device)
+    vocab = model.config.vocab_size
+    tracker = MemoryTracker()
+    with tracker:
+        tracker.tag_module(model)
+        for _ in range(steps):
+            ids = torch.randint(0, vocab, (cfg.micro_batch, cfg.seq_len))
+            batches = [dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+                       for _ in range(cfg.grad_accum)]
+            for batch in batches:
+                tracker.tag(batch.values(), "activations")
+            training_step(model, optimizer, batches, precision, tracker, params, cfg.max_grad_norm)
+    return tracker.peak_bytes, tracker.peak_by_category()
+
+
+@pytest.fixture(scope="module")
+def gqa_model(tmp_path_factory):
+    """A tiny Llama with grouped-query attention and hidden != heads x head_dim != intermediate."""
+    raw = json.loads(load_preset_config("memfit/tiny-llama").to_json_string())
+    raw.update(num_attention_heads=8, num_key_value_heads=2, head_dim=16, hidden_size=96, intermediate_size=200)
+    folder = tmp_path_factory.mktemp("gqa")
+    (folder / "config.json").write_text(json.dumps(raw))
+    return str(folder)
+
+
+MATRIX = [  # precisions x optimizers x checkpointing x attention x method x batch/accumulation x architecture
+    "micro_batch=4 seq_len=128",
+    "micro_batch=4 seq_len=128 precision=bf16-mixed optimizer=sgd",
+    "micro_batch=4 seq_len=128 precision=bf16-pure",
+    "micro_batch=4 seq_len=128 checkpointing=full",
+    "micro_batch=4 seq_len=128 attention=eager checkpointing=every-2",
+    "micro_batch=4 seq_len=128 method=lora",
+    "micro_batch=4 seq_len=128 method=lora lora.targets=all-linear precision=bf16-mixed",
+    "micro_batch=2 seq_len=128 grad_accum=2 GQA precision=bf16-mixed",
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("overrides", MATRIX)
+def test_analytic_within_10_percent_of_tracked_step(overrides, gqa_model):
+    words = overrides.split()
+    if "GQA" in words:
+        words = [w for w in words if w != "GQA"] + [f"model={gqa_model}"]
+    cfg = load_config(None, words + ["max_grad_norm=1.0"])
+    measured, _ = measure_peak(cfg)
+    estimate = analytic_estimate(cfg, load_model_config(cfg.model)[0], device="cpu")
+    error = (estimate.peak_allocated_bytes - measured) / measured
+    assert abs(error) < 0.10, f"{overrides}: analytic {estimate.peak_allocated_bytes} vs tracked {measured} ({error:+.1%})"
+
+
+def test_model_states_equal_tracked_bytes_exactly():
+    """Weights, gradients and AdamW states are exact (the tracker adds only rotary buffers and step counters)."""
+    cfg = load_config(None, ["micro_batch=1", "seq_len=16"])
+    _, by_category = measure_peak(cfg, steps=1)
+    shape = model_shape(load_model_config(cfg.model)[0])
+    assert abs(analytic.weights_bytes(shape, cfg) - by_category["weights"]) <= 256
+    assert abs(analytic.optimizer_state_bytes(shape, cfg) - by_category["optimizer_states"]) <= 4 * 64
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear"])
+def test_lora_parameter_count_matches_peft(targets):
+    cfg = load_config(None, ["method=lora", "lora.rank=4"]).model_copy(
+        update={"lora": load_config(None, ["method=lora", "lora.rank=4"]).lora.model_copy(update={"targets": targets})})
+    model = apply_method(build_model(cfg.model), cfg)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    shape = model_shape(load_model_config(cfg.model)[0])
+    assert analytic.trainable_params(shape, cfg) == trainable
+
+
+def test_parameter_count_matches_a_real_build():
+    cfg = load_config(None, [])
+    model = build_model(cfg.model)
+    assert model_shape(load_model_config(cfg.model)[0]).total_params == sum(p.numel() for p in model.parameters())
+
+
+def test_seed_175b_fp16_weights_are_about_350_gb():
+    cfg = load_config(None, ["model=gpt3-175b", "precision=bf16-pure", "micro_batch=1", "seq_len=128"])
+    shape = model_shape(load_preset_config("gpt3-175b"))
+    weights = analytic.weights_bytes(shape, cfg)
+    assert 345 * GB <= weights <= 355 * GB
+    assert weights == 2 * shape.total_params
+
+
+def test_seed_7b_adam_states_in_16_bit_are_28_gb():
+    cfg = load_config(None, ["model=meta-llama/Llama-2-7b-hf", "precision=bf16-pure", "optimizer=adamw"])
+    shape = model_shape(load_preset_config("meta-llama/Llama-2-7b-hf"))
+    states = analytic.optimizer_state_bytes(shape, cfg)
+    assert states == 4 * shape.total_params  # momentum + variance, 2 bytes each
+    assert states / shape.total_params * 7e9 == 28 * GB
+
+
+def test_mixed_precision_adamw_is_16_bytes_per_parameter_before_activations():
+    """The published rule (2 16-bit weights + 4 master + 2-4 gradient + 8 Adam): memfit's bf16-mixed keeps fp32
+    weights, fp32 gradients and fp32 Adam states (16 B), and the 16-bit weight copies autocast saves for the
+    backward (~2 B) are counted with the activations."""
+    cfg = load_config(None, ["model=meta-llama/Llama-2-7b-hf", "precision=bf16-mixed"])
+    shape = model_shape(load_preset_config("meta-llama/Llama-2-7b-hf"))
+    states = (analytic.weights_bytes(shape, cfg) + analytic.gradient_bytes(shape, cfg)
+              + analytic.optimizer_state_bytes(shape, cfg))
+    assert states == 16 * shape.total_params
+    copies = analytic._weight_copies_bytes(shape, cfg)
+    assert 1.9 * shape.total_params <= copies <= 2.0 * shape.total_params
+
+
+def test_qlora_weights_use_4_bit_blocks():
+    assert analytic.quantized_bytes_per_param("nf4") == pytest.approx(0.5625)
+    assert analytic.quantized_bytes_per_param("nf4-dq") == pytest.approx(0.5 + 1 / 64 + 4 / 16384)
+    shape = model_shape(load_preset_config("meta-llama/Llama-2-7b-hf"))
+    qlora = load_config(None, ["method=qlora", "precision=bf16-mixed", "lora.rank=8"])
+    weights = analytic.weights_bytes(shape, qlora)
+    # 6.48 B block-linear parameters at ~0.52 B + 0.26 B embeddings/head at 2 B + adapters at 4 B
+    assert 3.8 * GB < weights < 4.0 * GB
+
+
+def test_checkpointing_and_lower_precision_lower_the_estimate():
+    config = load_preset_config("meta-llama/Llama-3.2-1B")
+    base = ["micro_batch=4", "seq_len=1024"]
+    plain = analytic_estimate(load_config(None, base + ["precision=bf16-mixed"]), config)
+    ckpt = analytic_estimate(load_config(None, base + ["precision=bf16-mixed", "checkpointing=full"]), config)
+    assert ckpt.by_category["activations"] < plain.by_category["activations"] / 4
+    assert ckpt.peak_allocated_bytes < plain.peak_allocated_bytes
+
+
+def test_cuda_overheads_are_named_and_reserved_exceeds_allocated():
+    est = analytic_estimate(load_config(None, []), load_preset_config("memfit/tiny-llama"), device="cuda")
+    assert set(est.overheads) == {"cuda_context", "cublas_workspace", "allocator_reserve"}
+    assert est.peak_reserved_bytes == (est.peak_allocated_bytes + est.overheads["cublas_workspace"]
+                                       + est.overheads["allocator_reserve"])
+    cpu = analytic_estimate(load_config(None, []), load_preset_config("memfit/tiny-llama"), device="cpu")
+    assert cpu.overheads == {} and cpu.peak_reserved_bytes == cpu.peak_allocated_bytes
+    assert cpu.cpu_ram_bytes > cpu.peak_allocated_bytes  # training state + runtime + data in RAM on CPU
+
+
+def test_zero_stages_divide_model_states_per_rank():
+    config = load_preset_config("meta-llama/Llama-3.2-1B")
+    one = analytic_estimate(load_config(None, ["precision=bf16-mixed"]), config, gpus=1)
+    zero3 = analytic_estimate(load_config(None, ["precision=bf16-mixed", "sharding=zero3"]), config, gpus=4)
+    states = ("weights", "gradients", "optimizer_states")
+    assert sum(zero3.by_category[c] for c in states) < sum(one.by_category[c] for c in states) / 3
