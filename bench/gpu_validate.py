@@ -81,6 +81,12 @@ def run_one(overrides: list[str], steps: int) -> dict:
     return dict(plan=plan, plan_device=device_total_bytes(plan), measured=measured, seconds=seconds)
 
 
+def _rss_gib() -> float:
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30  # KiB on Linux
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("output", help="markdown file to write")
@@ -103,7 +109,7 @@ def main() -> int:
             context = m["device_now"] - m["reserved_now"]  # context + libraries outside the allocator
             rows.append(f"| `{overrides}` | {p.peak_allocated_bytes / gib:.2f} | {m['allocated'] / gib:.2f} | "
                         f"{err_a:+.1%} | {p.peak_reserved_bytes / gib:.2f} | {m['reserved'] / gib:.2f} | {err_r:+.1%} | "
-                        f"{context / gib:.2f} | {r['seconds']:.2f} |")
+                        f"{context / gib:.2f} | {r['seconds']:.2f} | {_rss_gib():.2f} / {p.cpu_ram_bytes / gib:.2f} |")
         except torch.OutOfMemoryError as exc:
             rows.append(f"| `{overrides}` | | OOM | | | | | | | {str(exc).splitlines()[0][:80]}")
         except Exception as exc:  # noqa: BLE001 - one failing configuration must not end the validation
@@ -116,8 +122,9 @@ def main() -> int:
               f"Command: `python bench/gpu_validate.py {' '.join(sys.argv[1:])}`. {args.steps} optimizer steps per row, "
               "full-length random batches. GiB = 2^30 bytes.", "",
               "| config | plan alloc GiB | max_memory_allocated GiB | error | plan reserved GiB | "
-              "max_memory_reserved GiB | error | outside allocator GiB (context) | s/step |",
-              "|---|---|---|---|---|---|---|---|---|"]
+              "max_memory_reserved GiB | error | outside allocator GiB (context) | s/step | "
+              "process peak RSS so far / planned CPU RAM GiB |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     with open(args.output, "w") as out:
         out.write("\n".join(header + rows) + "\n")
     print(f"wrote {args.output}")

@@ -61,11 +61,8 @@ def init_distributed(cfg, device: torch.device, model_config=None) -> DistContex
         torch.cuda.set_device(local_rank)
     owns_group = not dist.is_initialized()  # a caller's own group (several runs in one process) is left alone
     if owns_group:
-        if "MASTER_ADDR" not in os.environ:  # one process asked for sharding without torchrun
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", "29500")
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)  # one process asked for sharding without torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     backend = dist.get_backend()
     model_parallel = cfg.tensor_parallel > 1 or cfg.pipeline_parallel > 1

@@ -30,7 +30,10 @@ CUDA_CONTEXT_BYTES = 500 * MiB       # driver context + kernel images (lazy load
                                      # torch.cuda.max_memory_reserved does not
 CUBLAS_WORKSPACE_BYTES = 32 * MiB    # cuBLAS(Lt) workspace, taken from the caching allocator (Hopper size)
 ALLOCATOR_SEGMENT_BYTES = 2 * MiB    # caching allocator: large blocks come from segments rounded to 2 MiB
-CPU_RUNTIME_BYTES = 1 * GiB          # python + torch + transformers imported (measured RSS on CPU, ~0.9 GiB)
+CPU_RUNTIME_BYTES = 400 * MiB        # python + torch + transformers + peft + memfit imported: peak RSS measured
+                                     # 0.39 GiB on the 2-core CPU machine (2026-12-02)
+CUDA_HOST_BYTES = 1 * GiB            # assumed host RSS of the CUDA runtime and kernels (not measured here;
+                                     # bench/gpu_validate.py records the real process RSS)
 
 # Optimizer state bytes per trainable parameter, by state dtype: (bytes if fp32 weights, if 16-bit weights).
 # 8-bit states carry one fp32 scale per 2048-value block (bitsandbytes blockwise quantization).
@@ -405,7 +408,7 @@ def runtime_overheads(cfg: RunConfig, device: str, transient_bytes: int) -> dict
 
 def cpu_ram_bytes(shape: ModelShape, cfg: RunConfig, device: str) -> dict[str, int]:
     """Host RAM: the runtime, the loading path, the data side, anything offloaded."""
-    terms = {"runtime": CPU_RUNTIME_BYTES}
+    terms = {"runtime": CPU_RUNTIME_BYTES + (CUDA_HOST_BYTES if device == "cuda" else 0)}
     # safetensors are memory-mapped; from_pretrained materialises one full copy in the load dtype
     # (on CUDA it then moves to the GPU and the host copy is freed, so the peak is one copy).
     load = shape.total_params * (2 if cfg.precision != "fp32" else 4)
@@ -468,6 +471,11 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
         overheads["paged_optimizer_states"] = paged
     reserved = allocated + overheads.get("cublas_workspace", 0) + overheads.get("allocator_reserve", 0)
     ram = cpu_ram_bytes(shape, cfg, device)
+    if getattr(cfg, "offload", "none") != "none":  # what offload took off the GPU now lives in host RAM
+        unsharded = shard_model_states(peak_candidates(shape, cfg)["optimizer_step"], cfg.model_copy(
+            update={"offload": "none"}), gpus, "optimizer_step")
+        ram["offloaded"] = sum(unsharded[c] for c in ("weights", "gradients", "optimizer_states")) - sum(
+            candidates["optimizer_step"][c] for c in ("weights", "gradients", "optimizer_states"))
     if device == "cpu":
         ram["training_state"] = allocated
     notes = [f"peak at {where.replace('_', ' ')}"]

@@ -21,8 +21,8 @@ Model states per rank (W weights, G gradients, O optimizer states of one process
          lm_head is a second copy there); GPipe keeps the activations of every pipeline
          micro-batch of the step (micro_batch sequences padded to seq_len) until the backward.
 
-Peak = the larger of two moments: the backward's start (activations, loss buffers, gathered
-weights) and the optimizer step (all gradients + the optimizer's scratch: on CUDA torch's
+Peak = the largest of these moments: the backward's start (activations, loss buffers, gathered
+weights), for pipelines the end of the first pipeline micro-batch's backward, and the optimizer step (all gradients + the optimizer's scratch: on CUDA torch's
 foreach kernels take one copy of the parameters; on CPU the per-tensor loop ~4 x the largest
 tensor). Validated against the tracker on 2 gloo ranks in tests/integration/test_distributed.py.
 """
@@ -158,7 +158,17 @@ def rank_moments(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) ->
     acts = rank_activations(shape, cfg, stage)
     loss_buffers = 0 if cfg.pipeline_parallel > 1 else 2 * single._loss_bytes(shape, cfg)
     base = dict(weights=st.weights, optimizer_states=st.optimizer_states)
-    return {
+    moments = {}
+    if cfg.pipeline_parallel > 1:
+        # GPipe, after the first pipeline micro-batch's backward: every gradient of the stage exists,
+        # the other micro-batches' activations still wait, plus one micro-batch's backward buffers.
+        n = cfg.micro_batch
+        one = cfg.model_copy(update={"micro_batch": 1})
+        last = stage == cfg.pipeline_parallel - 1
+        moments["pipeline_backward"] = dict(
+            base, gradients=st.gradients, activations=acts * (n - 1) // n,
+            temporaries=single._layer_gradient_buffers(shape, one) + (2 * single._loss_bytes(shape, one) if last else 0))
+    return moments | {
         "backward_start": dict(base, gradients=st.persistent_gradients, activations=acts + st.gathered_weights,
                                temporaries=loss_buffers + st.gather_buffer),
         "optimizer_step": dict(base, gradients=max(st.gradients, st.persistent_gradients), activations=0,

@@ -31,10 +31,13 @@ def apply_method(model: PreTrainedModel, cfg: RunConfig, device: torch.device | 
     if cfg.quant != "none":
         quantize_model(model, cfg.quant, cfg.quant_backend, compute_dtype(cfg))
         prepare_quantized_for_training(model)
+    saved = modules_to_save(model, cfg)
+    # Tied input/output embeddings stay tied when one of them is trained in full.
+    tied = bool(saved) and bool(getattr(model.config, "tie_word_embeddings", False))
     lora = peft.LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                            target_modules=cfg.lora.targets, use_dora=cfg.lora.use_dora,
-                           use_rslora=cfg.lora.use_rslora, modules_to_save=modules_to_save(model, cfg) or None,
-                           task_type="CAUSAL_LM")
+                           use_rslora=cfg.lora.use_rslora, modules_to_save=saved or None,
+                           ensure_weight_tying=tied, task_type="CAUSAL_LM")
     try:
         return peft.get_peft_model(model, lora)
     except ValueError as exc:  # e.g. target modules that the model does not have

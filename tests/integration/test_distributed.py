@@ -148,7 +148,7 @@ def test_memory_falls_as_the_zero_stage_rises(runs):
     assert peak["ddp"] > peak["zero1"] > peak["zero2"] > peak["zero3"], peak
     # On a CPU device the offload target is where the shards already are: no further saving here
     # (the device-side saving is checked on CUDA in tests/gpu/test_distributed_gpu.py).
-    assert peak["zero3_offload"] <= peak["zero3"], peak
+    assert peak["zero3_offload"] == pytest.approx(peak["zero3"], rel=1e-3), peak
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
@@ -173,13 +173,15 @@ def test_command_line_checkpoints_and_resumes_on_fewer_ranks(runs, tmp_path):
     saved = sorted((out / "checkpoints").glob("sharded-step-*"))
     assert [p.name for p in saved] == ["sharded-step-00000001", "sharded-step-00000002"]
 
-    # One process, same zero3 config, micro_batch 2 (the same global batch): DCP re-shards 2 -> 1.
+    # One process, same config: DCP re-shards the 2-rank checkpoint onto 1 rank. (Its global batch
+    # is now 1 sequence, so step 3 differs from the 2-rank run's; the earlier steps are kept.)
     env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     resumed = subprocess.run([sys.executable, "-m", "memfit", "train", str(config), f"output_dir={out}",
-                              "sharding=zero3", "micro_batch=1", f"max_steps={STEPS}", "resume=true",
+                              "sharding=zero3", "micro_batch=1", f"max_steps={STEPS}", "resume=true", "overwrite=false",
                               "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     losses = _losses(out)
     assert len(losses) == STEPS
     assert losses[:STEPS - 1] == pytest.approx(single.losses[:STEPS - 1], rel=LOSS_TOLERANCE)
+    assert losses[-1] < losses[0]  # the resumed weights are the trained ones, not a fresh init

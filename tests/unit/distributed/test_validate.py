@@ -1,0 +1,51 @@
+"""Impossible distributed combinations are refused before any process does work, all at once."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.config import ConfigError, load_config
+from memfit.distributed.validate import DistributedSetupError, check_launch
+from memfit.models.loading import load_model_config
+
+
+def test_single_process_default_is_untouched():
+    cfg = load_config(None, [])
+    assert (cfg.sharding, cfg.offload, cfg.tensor_parallel, cfg.pipeline_parallel) == ("none", "none", 1, 1)
+    check_launch(cfg, world_size=1, model_config=load_model_config(cfg.model)[0])  # no error
+
+
+def test_config_combinations_are_all_listed():
+    with pytest.raises(ConfigError) as error:
+        load_config(None, ["sharding=ddp", "offload=optimizer", "tensor_parallel=2", "pipeline_parallel=2"])
+    text = str(error.value)
+    assert "4 problem(s)" in text
+    assert "offload: optimizer needs sharding: zero2 or zero3" in text
+    assert "tensor_parallel and pipeline_parallel together" in text
+    assert "with sharding: ddp is not supported" in text
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["sharding=zero3", "precision=fp16-mixed"], "fp16-mixed"),
+    (["sharding=zero2", "optimizer=adamw-8bit"], "adamw-8bit"),
+    (["tensor_parallel=2", "method=lora"], "method: lora"),
+    (["pipeline_parallel=2"], "max_grad_norm: null"),
+    (["offload=all"], "needs sharding: zero2 or zero3"),
+])
+def test_each_refused_combination_names_its_fields(overrides, expected):
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, overrides)
+
+
+def test_launch_checks_world_size_and_model_shape():
+    cfg = load_config(None, ["tensor_parallel=3", "max_grad_norm=null"])
+    model_config = load_model_config(cfg.model)[0]  # tiny-llama: 4 heads, intermediate 352, 4 layers
+    with pytest.raises(DistributedSetupError) as error:
+        check_launch(cfg, world_size=2, model_config=model_config)
+    text = str(error.value)
+    assert "needs exactly 3 processes" in text
+    assert "must divide the model's num_attention_heads (4)" in text
+    with pytest.raises(DistributedSetupError, match="needs at least 8 layers"):
+        check_launch(load_config(None, ["pipeline_parallel=8", "max_grad_norm=null"]), 8, model_config)
+    with pytest.raises(DistributedSetupError, match="sharding is none"):
+        check_launch(load_config(None, []), 2, model_config)

@@ -1,0 +1,63 @@
+"""Per-rank model-state terms: ZeRO stages divide what they should; DeepSpeed's formulas agree."""
+
+from __future__ import annotations
+
+import pytest
+
+from memfit.config import load_config
+from memfit.memory import analytic
+from memfit.memory.distributed_estimate import rank_estimate, rank_states, zero_model_states_like_deepspeed
+from memfit.models.loading import load_model_config
+
+
+@pytest.fixture(scope="module")
+def shape():
+    return analytic.model_shape(load_model_config(load_config(None, []).model)[0])
+
+
+def _states(shape, *overrides, gpus=4, device="cuda"):
+    return rank_states(shape, load_config(None, list(overrides)), gpus, device)
+
+
+def test_zero_stages_shard_what_they_name(shape):
+    full = _states(shape, "sharding=ddp")
+    zero1, zero2, zero3 = (_states(shape, f"sharding=zero{i}") for i in (1, 2, 3))
+    assert full.persistent_gradients == full.gradients  # DDP buckets live between steps
+    assert zero1.optimizer_states == -(-full.optimizer_states // 4) and zero1.weights == full.weights
+    assert zero2.gradients == -(-full.gradients // 4) and zero2.gathered_weights == full.weights
+    assert zero3.weights == -(-full.weights // 4) and zero3.gathered_weights < full.weights
+
+
+def test_offload_moves_shards_to_host_only_on_cuda(shape):
+    on_gpu = _states(shape, "sharding=zero3", "offload=all")
+    assert on_gpu.weights == on_gpu.gradients == on_gpu.optimizer_states == 0 and on_gpu.host_bytes > 0
+    on_cpu = _states(shape, "sharding=zero3", "offload=all", device="cpu")
+    assert on_cpu.host_bytes == 0 and on_cpu.weights > 0
+
+
+def test_tensor_and_pipeline_parallel_split_the_weights(shape):
+    one = _states(shape, gpus=1)
+    tp = _states(shape, "tensor_parallel=2", "max_grad_norm=null", gpus=2)
+    assert one.weights / 2 < tp.weights < one.weights  # block linears halve, embeddings replicate
+    first, last = (rank_states(shape, load_config(None, ["pipeline_parallel=2", "max_grad_norm=null"]), 2,
+                               "cuda", stage) for stage in (0, 1))
+    tied_copy = shape.embedding_params * 4
+    assert first.weights + last.weights == pytest.approx(one.weights + tied_copy + 0, abs=8)
+
+
+def test_per_rank_peak_falls_with_the_stage():
+    peaks = [rank_estimate(load_config(None, [f"sharding={s}"]), gpus=4, device="cuda").peak_allocated_bytes
+             for s in ("ddp", "zero1", "zero2", "zero3")]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+
+
+@pytest.mark.parametrize("gpus", [2, 8, 64])
+def test_zero_formulas_equal_deepspeeds_estimators(gpus):
+    """Same byte layout as DeepSpeed (fp16 weights, fp32 master, Adam): identical GPU figures."""
+    stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
+    stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
+    total, largest = 8_030_261_248, 525_336_576  # Llama-3-8B: parameters, largest layer (embeddings)
+    _, gpu2 = stage_1_and_2.estimate_zero2_model_states_mem_needs(total, gpus, 1, cpu_offload=False)
+    _, gpu3, _ = stage3.estimate_zero3_model_states_mem_needs(total, largest, gpus, 1, cpu_offload=False)
+    assert zero_model_states_like_deepspeed(total, largest, gpus, stage=2) == gpu2
+    assert zero_model_states_like_deepspeed(total, largest, gpus, stage=3) == gpu3

@@ -1,0 +1,119 @@
+"""QLoRA (4-bit base) and 8-bit base + LoRA: backends, byte layout, training, validation, loading."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
+
+from memfit.config import ConfigError, load_config
+from memfit.errors import MissingPackageError
+from memfit.models.merge import save_trained_base
+from memfit.strategies import quantization
+from memfit.strategies.quantization import QuantizationError, is_quantized_linear, quantized_bytes, quantized_loading
+
+sys.path.insert(0, str(Path(__file__).parent))
+from test_lora import build, is_adapter, logits, snapshot, train_steps  # noqa: E402
+
+VARIANTS = {  # name -> overrides, expected quantized layer class
+    "bnb-nf4": ({"method": "qlora", "quant": "nf4"}, "Linear4bit"),
+    "bnb-nf4-dq": ({"method": "qlora"}, "Linear4bit"),
+    "bnb-fp4": ({"method": "qlora", "quant": "fp4"}, "Linear4bit"),
+    "torchao-nf4": ({"method": "qlora", "quant_backend": "torchao"}, "Linear"),
+    "bnb-int8": ({"method": "lora", "quant": "int8"}, "Linear8bitLt"),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_loss_falls_and_only_adapters_change(tiny_config, variant):
+    overrides, layer_class = VARIANTS[variant]
+    model = build(tiny_config(**overrides, **{"lora.targets": "all-linear"}))
+    quantized = [m for m in model.modules() if is_quantized_linear(m)]
+    assert len(quantized) == 4 * 7 and {type(m).__name__ for m in quantized} == {layer_class}
+    assert type(model.get_output_embeddings()) is torch.nn.Linear  # the head stays in high precision
+    before = snapshot(model)
+    losses = train_steps(model, tiny_config(**overrides), 8)
+    assert losses[-1] < losses[0] - 0.15
+    after = snapshot(model)
+    frozen_changed = [n for n in before if not is_adapter(n) and not torch.equal(before[n], after[n])]
+    assert frozen_changed == []
+    assert any("lora_B" in n and not torch.equal(before[n], after[n]) for n in before)
+
+
+def test_byte_layout_per_backend(tiny_config):
+    """Packed codes are half a byte per value; the scales follow each backend's layout (docs/lora.md)."""
+    values = 4 * (4 * 128 * 128 + 3 * 128 * 352)  # the base Linear layers of tiny-llama
+    layers = 4 * 7
+    expected = {
+        "bnb-nf4": (values // 2, values // 64 * 4 + layers * 64),
+        "bnb-nf4-dq": (values // 2, None),
+        "torchao-nf4": (values // 2, None),
+        "bnb-int8": (values, 4 * (4 * 128 + 4 * 128 + 2 * 352 + 128)),  # one fp32 scale per output row
+    }
+    for variant, (codes, scales) in expected.items():
+        got = quantized_bytes(build(tiny_config(**VARIANTS[variant][0])))
+        assert got["codes"] == codes, variant
+        if scales is not None:
+            assert got["scales"] == scales, variant
+    dq = quantized_bytes(build(tiny_config(**VARIANTS["bnb-nf4-dq"][0])))["scales"]
+    plain = quantized_bytes(build(tiny_config(**VARIANTS["bnb-nf4"][0])))["scales"]
+    assert dq < plain / 2  # double quantization: 8-bit absmax (+ small fp32 second level) instead of fp32
+
+
+def test_qlora_adapter_reloads_on_the_dequantized_base(tiny_config, tmp_path):
+    cfg = tiny_config(method="qlora", compute_dtype="fp32")
+    model = build(cfg)
+    train_steps(model, cfg, 3)
+    expected = logits(model)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    save_trained_base(model, cfg, tmp_path)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base_model"), tmp_path)
+    torch.testing.assert_close(logits(reloaded), expected, rtol=0, atol=1e-4)
+
+
+def test_real_weights_load_straight_into_bitsandbytes_layers(tiny_config, tmp_path):
+    """A local model with weights loads through transformers' BitsAndBytesConfig (no second quantization)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=4)).save_pretrained(tmp_path / "base")
+    cfg = tiny_config(method="qlora", model=str(tmp_path / "base"))
+    kwargs = quantized_loading(cfg)
+    assert kwargs["quantization_config"].bnb_4bit_use_double_quant
+    model = build(cfg, load_kwargs=kwargs)
+    layers = [m for m in model.modules() if is_quantized_linear(m)]
+    assert len(layers) == 2 * 7 and all(type(m).__name__ == "Linear4bit" for m in layers)
+    assert quantized_bytes(model)["scales"] > 0  # the quant_state is visible to the tracker
+    losses = train_steps(model, cfg, 3)
+    assert losses[-1] < losses[0]
+
+
+def test_invalid_combinations_listed_at_once(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["method=full", "quant=nf4", "merge=true", f"output_dir={tmp_path}"])
+    assert len(err.value.problems) == 2
+    assert "needs method: lora or qlora" in str(err.value) and "merge" in str(err.value)
+    with pytest.raises(ConfigError, match="qlora needs 4-bit"):
+        load_config(None, ["method=qlora", "quant=int8"])
+    with pytest.raises(ConfigError, match="torchao provides only nf4"):
+        load_config(None, ["method=qlora", "quant=fp4", "quant_backend=torchao"])
+    assert load_config(None, ["method=qlora"]).quant == "nf4-dq"  # QLoRA's own default
+    assert load_config(None, ["method=lora", "quant=int8"]).quant == "int8"
+
+
+def test_no_backend_error_lists_the_backends(monkeypatch):
+    def missing(module, purpose, install=None):
+        raise MissingPackageError(f"{purpose} needs the '{install or module}' package: pip install {install}")
+
+    monkeypatch.setattr(quantization, "require", missing)
+    with pytest.raises(QuantizationError) as err:
+        quantization.choose_backend("nf4", "auto")
+    message = str(err.value)
+    assert "bitsandbytes: not installed" in message and "torchao: not installed" in message
+    with pytest.raises(QuantizationError, match="torchao: has no int8"):
+        quantization.choose_backend("int8", "torchao")
