@@ -48,6 +48,11 @@ PLAN_OPTIONS = {
     "grad_accum": dict(type=int), "packing": dict(choices=["true", "false"]), "lora.rank": dict(type=int),
     "lora.alpha": dict(type=float), "lora.targets": dict(help="comma-separated module names, or all-linear"),
     "quant": dict(choices=["none", "nf4", "nf4-dq", "fp4", "int8"]),
+    # issue 7 switches (flags: present = true)
+    "chunked_loss": dict(action="store_const", const="true", help="cross-entropy in chunks (no full logits)"),
+    "optimizer_in_backward": dict(action="store_const", const="true",
+                                  help="update each parameter during backward (needs max_grad_norm=null via --set)"),
+    "activation_offload": dict(action="store_const", const="true", help="saved activations in host memory (CUDA)"),
 }
 
 

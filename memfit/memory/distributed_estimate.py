@@ -87,9 +87,10 @@ def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> 
     sharding = cfg.sharding
     if sharding in ("none", "ddp"):
         return RankStates(weights, grads, states, persistent_gradients=grads if sharding == "ddp" else 0)
-    if sharding == "zero1":
-        return RankStates(weights, grads, -(-states // n), persistent_gradients=grads)
-    out = RankStates(-(-weights // n), -(-grads // n), -(-states // n))
+    if sharding == "zero1":  # DDP's gradient buckets stay allocated
+        return RankStates(*zero_split(weights, grads, states, 1, n), persistent_gradients=grads)
+    # FSDP2 shards everything at rest (zero2 as well); zero2 differs in what stays gathered
+    out = RankStates(*zero_split(weights, grads, states, 3, n))
     gathered = weights if sharding == "zero2" else int((root + 2 * block) * size)
     out.gathered_weights, out.gather_buffer = gathered, int(block * size)
     if cfg.offload in ("params", "all") and device == "cuda":
@@ -208,11 +209,20 @@ def per_rank_candidates(candidates: dict, shape, cfg, gpus: int, device: str = "
 
 # --- DeepSpeed's published ZeRO formulas, for docs/distributed.md ---------------------------------
 
+def zero_split(weights: int, grads: int, states: int, stage: int, ranks: int) -> tuple[int, int, int]:
+    """memfit's ZeRO rule: stage 1 shards optimizer states, 2 also gradients, 3 also weights."""
+    def shard(nbytes: int, from_stage: int) -> int:
+        return -(-nbytes // ranks) if stage >= from_stage else nbytes
+
+    return shard(weights, 3), shard(grads, 2), shard(states, 1)
+
+
 def zero_model_states_like_deepspeed(total_params: int, largest_layer_params: int, gpus: int, stage: int) -> int:
-    """Per-GPU model-state bytes of memfit's ZeRO terms under DeepSpeed's byte layout (fp16
-    weights 2, fp16 + fp32 gradients 2 + 4, fp32 master weights 4, Adam moments 8 = 18 sharded),
-    to compare with deepspeed.runtime.zero.stage_1_and_2 / stage3 estimate_*_mem_needs."""
-    if stage == 2:  # fp16 weights replicated, the rest sharded
-        return 2 * total_params + 18 * total_params // gpus
-    # stage 3: everything sharded, plus the largest layer gathered in fp32 as DeepSpeed counts it
-    return 4 * largest_layer_params + 18 * total_params // gpus
+    """Per-GPU model-state bytes by memfit's ZeRO rule (`zero_split`) applied to DeepSpeed's byte
+    layout for mixed-precision Adam: fp16 weights 2, fp16 gradients 2, and what memfit files under
+    optimizer states: fp32 gradients 4 + fp32 master weights 4 + Adam moments 8 = 16 bytes/param.
+    Stage 3 adds the largest layer gathered in fp32 (4 bytes/param), as DeepSpeed counts it.
+    Compare with deepspeed.runtime.zero.stage_1_and_2 / stage3 estimate_zero*_model_states_mem_needs."""
+    weights, grads, states = zero_split(2 * total_params, 2 * total_params, 16 * total_params, stage, gpus)
+    gathered = 4 * largest_layer_params if stage == 3 else 0
+    return weights + grads + states + gathered

@@ -275,7 +275,7 @@ def plan(model_name: str, cfg: RunConfig, budget_bytes: int | None = None, gpus:
     if fitting:
         result.recommendation = max(fitting, key=lambda c: c.tokens_per_second)
         if engine == "traced":  # confirm the choice on the trainer's own step
-            confirmed = _engine_estimate(result.recommendation.cfg, model_config, device, "traced")
+            confirmed = _engine_estimate(result.recommendation.cfg, model_config, device, "traced", gpus)
             result.recommendation.estimate = confirmed
             result.recommendation.device_bytes = device_total_bytes(confirmed)
             result.recommendation.fits = result.recommendation.device_bytes <= budget_bytes
@@ -293,13 +293,16 @@ def _engine_estimate(cfg: RunConfig, model_config, device: str, engine: str, gpu
         raise MemfitError("--engine traced: the traced engine (memfit.memory.trace) is not in this build; "
                           "use --engine analytic") from None
     traced = trace_estimate(cfg, device=device)
+    analytic = analytic_estimate(cfg, model_config, device=device, gpus=gpus)
+    # host RAM beyond the training tensors (runtime, loading path, data) comes from the analytic terms
+    on_host = traced.peak_allocated_bytes if device == "cpu" else 0
+    analytic_on_host = analytic.peak_allocated_bytes if device == "cpu" else 0
+    traced.cpu_ram_bytes = analytic.cpu_ram_bytes - analytic_on_host + on_host
     if device == "cuda" and not traced.overheads:
         # the tracker sees tensors only: add the same named runtime terms the analytic engine uses
-        analytic = analytic_estimate(cfg, model_config, device=device)
         traced.overheads = dict(analytic.overheads)
         traced.peak_reserved_bytes = (traced.peak_allocated_bytes + analytic.overheads["cublas_workspace"]
                                       + analytic.overheads["allocator_reserve"])
-        traced.cpu_ram_bytes = traced.cpu_ram_bytes or analytic.cpu_ram_bytes
     return traced
 
 
@@ -371,6 +374,10 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:8.2f}"
 
 
+def _count(n: int) -> str:
+    return f"{n / 1e9:.2f} B" if n >= 1e9 else f"{n / 1e6:.2f} M"
+
+
 def plan_text(result: Plan) -> str:
     """The plan as a table; every number in GiB (2^30 bytes), said in the header."""
     from memfit.memory.analytic import _trainable_size
@@ -379,8 +386,8 @@ def plan_text(result: Plan) -> str:
     shape = model_shape(_model_config(cfg))
     trainable = trainable_params(shape, cfg)
     master = min(trainable * _trainable_size(cfg), est.by_category["weights"])
-    lines = [f"memfit plan: {result.model} ({shape.total_params / 1e9:.2f} B parameters, "
-             f"{trainable / 1e9:.3f} B trainable), engine {est.engine}, per GPU",
+    lines = [f"memfit plan: {result.model} ({_count(shape.total_params)} parameters, "
+             f"{_count(trainable)} trainable), engine {est.engine}, per GPU",
              f"run: {_config_summary(cfg)}",
              "", "Predicted peak GPU memory (GiB = 2^30 bytes)"]
     rows = [("weights (frozen / base)", est.by_category["weights"] - master),

@@ -42,7 +42,8 @@ from memfit.strategies.adapters import apply_method
 from memfit.strategies.checkpointing import apply_checkpointing
 from memfit.strategies.optimizers import build_optimizer
 from memfit.strategies.precision import make_precision
-from memfit.train.step import training_step
+from memfit.strategies.loss import plain_loss
+from memfit.train.step import step_strategies, training_step
 
 log = logging.getLogger(__name__)
 
@@ -237,9 +238,12 @@ def trace_estimate(cfg: RunConfig, device: str | None = None, padded: bool | Non
     if precision.scaler is not None:
         _always_step(precision.scaler)
     model = build_model(cfg.model, attention, dtype=precision.weight_dtype, on_meta=True)
-    model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg)
+    model.config.use_cache = False  # as the trainer: no KV cache in training
     tracker = _FakeStepTracker(cuda_block_bytes if target.type == "cuda" else None)
 
+    # Strategies on `meta` (a module of fake tensors cannot be moved: `Module.to` swaps every fake
+    # parameter, which fails), then everything becomes fake at once.
+    model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     with fake_mode:
         model = _materialise(model)
@@ -253,6 +257,7 @@ def trace_estimate(cfg: RunConfig, device: str | None = None, padded: bool | Non
     if target.type == "cuda":
         _like_cuda_optimizer(optimizer)
     with fake_mode, _compiled_functions_for_trace():
+        strategies = step_strategies(cfg, target, optimizer, params, traced=True)
         # The same sequence of tracker calls as memfit.train.loop.train.
         with tracker:
             tracker.tag_module(model)
@@ -260,8 +265,12 @@ def trace_estimate(cfg: RunConfig, device: str | None = None, padded: bool | Non
                 micro_batches = [fake_batch(cfg, padded) for _ in range(cfg.grad_accum)]
                 for batch in micro_batches:
                     tracker.tag(batch.values(), "activations")
-                runs = model if step == TRACED_STEPS else _GradientsOnly(params)
-                training_step(runs, optimizer, micro_batches, precision, tracker, params, cfg.max_grad_norm)
+                if step < TRACED_STEPS:  # see _GradientsOnly: only the optimizer's first update
+                    training_step(_GradientsOnly(params), optimizer, micro_batches, precision, tracker, params,
+                                  cfg.max_grad_norm, **{**strategies, "loss_fn": plain_loss})
+                else:
+                    training_step(model, optimizer, micro_batches, precision, tracker, params,
+                                  cfg.max_grad_norm, **strategies)
 
     peak = tracker.peak_bytes
     if target.type == "cuda" and cfg.optimizer == "paged-adamw-8bit":

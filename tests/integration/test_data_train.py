@@ -9,8 +9,8 @@ from memfit.cli import main
 
 
 def write_config(tmp_path, **data):
-    config = {"model": "memfit/tiny-llama", "data": {"format": "alpaca", **data}, "seq_len": 128, "micro_batch": 8,
-              "lr": 3.0e-3, "warmup_steps": 2, "max_steps": 30, "log_every": 10, "save_every": 0,
+    config = {"model": "memfit/tiny-llama", "data": {"format": "alpaca", **data}, "seq_len": 128, "micro_batch": 4,
+              "lr": 3.0e-3, "warmup_steps": 2, "max_steps": 10, "log_every": 3, "save_every": 0,
               "output_dir": str(tmp_path / "run"), "track_memory": False}
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(config))

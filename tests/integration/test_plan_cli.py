@@ -7,6 +7,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.train.loop import train
@@ -52,3 +54,31 @@ def test_unknown_hub_id_offline_says_so_and_suggests_presets():
     assert proc.returncode == 2
     assert "memfit presets" in proc.stderr and "hub" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_train_with_a_budget_lets_the_planner_choose(tmp_path):
+    from memfit.memory.analytic import analytic_estimate, device_total_bytes
+    from memfit.models.presets import load_preset_config
+
+    overrides = [f"output_dir={tmp_path / 'run'}", "max_steps=1", "data.limit=16", "device=cpu",
+                 "micro_batch=8", "seq_len=512", "budget=40MiB"]
+    cfg = load_config(None, overrides)
+    config = load_preset_config("memfit/tiny-llama")
+    assert device_total_bytes(analytic_estimate(cfg, config, "cpu")) > 40 * 2**20  # as configured: too big
+    run = train(cfg, progress=False)
+    chosen = load_config(tmp_path / "run" / "run_config.yaml")
+    assert chosen.budget is None and chosen != cfg.model_copy(update={"budget": None})
+    assert device_total_bytes(analytic_estimate(chosen, config, "cpu")) <= 40 * 2**20
+    assert len(run.losses) == 1
+
+
+@pytest.mark.slow
+def test_traced_engine_confirms_the_analytic_estimate(capsys):
+    args = ["plan", "memfit/tiny-llama", "--device", "cpu", "--micro-batch", "4", "--seq-len", "128", "--json"]
+    assert main(args) == 0
+    analytic = json.loads(capsys.readouterr().out)["estimate"]
+    assert main(args + ["--engine", "traced"]) == 0
+    traced = json.loads(capsys.readouterr().out)["estimate"]
+    assert traced["engine"] == "traced" and analytic["engine"] == "analytic"
+    error = (analytic["peak_allocated_bytes"] - traced["peak_allocated_bytes"]) / traced["peak_allocated_bytes"]
+    assert abs(error) < 0.10, error

@@ -19,7 +19,7 @@ def test_config_combinations_are_all_listed():
     with pytest.raises(ConfigError) as error:
         load_config(None, ["sharding=ddp", "offload=optimizer", "tensor_parallel=2", "pipeline_parallel=2"])
     text = str(error.value)
-    assert "4 problem(s)" in text
+    assert "5 problem(s)" in text  # the four combinations + pipeline clipping
     assert "offload: optimizer needs sharding: zero2 or zero3" in text
     assert "tensor_parallel and pipeline_parallel together" in text
     assert "with sharding: ddp is not supported" in text

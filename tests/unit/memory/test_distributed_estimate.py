@@ -52,12 +52,14 @@ def test_per_rank_peak_falls_with_the_stage():
 
 
 @pytest.mark.parametrize("gpus", [2, 8, 64])
-def test_zero_formulas_equal_deepspeeds_estimators(gpus):
-    """Same byte layout as DeepSpeed (fp16 weights, fp32 master, Adam): identical GPU figures."""
+def test_zero_formulas_against_deepspeeds_estimators(gpus):
+    """memfit's ZeRO rule on DeepSpeed's byte layout (fp16 weights, fp32 master, Adam): ZeRO-2 is
+    identical; ZeRO-3 differs by exactly 2 bytes/param/GPU (docs/distributed.md explains why)."""
     stage_1_and_2 = pytest.importorskip("deepspeed.runtime.zero.stage_1_and_2")
     stage3 = pytest.importorskip("deepspeed.runtime.zero.stage3")
     total, largest = 8_030_261_248, 525_336_576  # Llama-3-8B: parameters, largest layer (embeddings)
     _, gpu2 = stage_1_and_2.estimate_zero2_model_states_mem_needs(total, gpus, 1, cpu_offload=False)
     _, gpu3, _ = stage3.estimate_zero3_model_states_mem_needs(total, largest, gpus, 1, cpu_offload=False)
     assert zero_model_states_like_deepspeed(total, largest, gpus, stage=2) == gpu2
-    assert zero_model_states_like_deepspeed(total, largest, gpus, stage=3) == gpu3
+    ours3 = zero_model_states_like_deepspeed(total, largest, gpus, stage=3)
+    assert ours3 - gpu3 == pytest.approx(2 * total / gpus, abs=8)

@@ -52,7 +52,7 @@ def test_byte_layout_per_backend(tiny_config):
         "bnb-nf4": (values // 2, values // 64 * 4 + layers * 64),
         "bnb-nf4-dq": (values // 2, None),
         "torchao-nf4": (values // 2, None),
-        "bnb-int8": (values, 4 * (4 * 128 + 4 * 128 + 2 * 352 + 128)),  # one fp32 scale per output row
+        "bnb-int8": (values, 4 * 4 * (4 * 128 + 2 * 352 + 128)),  # one fp32 scale per output row
     }
     for variant, (codes, scales) in expected.items():
         got = quantized_bytes(build(tiny_config(**VARIANTS[variant][0])))
