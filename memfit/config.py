@@ -64,6 +64,16 @@ class DataConfig(_Section):
     group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding; "
                                                      "sorted within windows of 64 micro-batches).")
 
+    @field_validator("fields")
+    @classmethod
+    def _known_field_names(cls, value: dict[str, str]) -> dict[str, str]:
+        known = ("text", "instruction", "input", "output", "messages", "conversations")
+        unknown = sorted(set(value) - set(known))
+        if unknown:
+            raise ValueError(f"unknown memfit field name(s) {unknown}: keys are memfit's names ({', '.join(known)}), "
+                             "values the names in your data")
+        return value
+
 
 class LoraConfig(_Section):
     rank: int = Field(8, ge=1, description="LoRA rank r.")

@@ -49,11 +49,16 @@ def world_size_from_env() -> int:
 
 
 def init_distributed(cfg, device: torch.device, model_config=None) -> DistContext:
-    """Check the setup, then join the process group torchrun prepared (no-op for one process)."""
+    """Check the setup, then join the process group torchrun prepared (no-op for one process).
+
+    `model_config`: the model's config, or a function returning it (read only when distributed)."""
     world = world_size_from_env()
-    check_launch(cfg, world, model_config)  # every rank refuses the same way, before any collective
     if world == 1 and cfg.sharding == "none":
+        check_launch(cfg, world)
         return SINGLE
+    if callable(model_config):
+        model_config = model_config()
+    check_launch(cfg, world, model_config)  # every rank refuses the same way, before any collective
     import torch.distributed as dist
 
     rank, local_rank = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))

@@ -7,7 +7,7 @@ blocks save for backward (read off the tracker on tiny models, see tests/unit/me
 
 Structure: `model_shape` reads the architecture once (parameter counts by kind, from a `meta`
 build); `weights_bytes`, `gradient_bytes`, `optimizer_state_bytes`, `activation_bytes`,
-`temporary_bytes` and `runtime_overheads` each return bytes for one category; `analytic_estimate`
+`peak_candidates` (temporaries) and `runtime_overheads` each return bytes for one category; `analytic_estimate`
 assembles the peak. Features from other modules (sharding, offload, chunked loss, ...) add their
 own term function and one line in `analytic_estimate`.
 """

@@ -44,7 +44,7 @@ def load_model_config(spec: ModelConfig) -> tuple[PretrainedConfig, str]:
     if preset_path(spec.name) is not None:
         return load_preset_config(spec.name), "preset"
     if spec.name.startswith(("/", "./", "../", "~")):  # clearly a path, not a hub id: don't ask the hub
-        raise ModelLoadError(f"model.name: folder {path} does not exist")
+        raise ModelLoadError(f"model.name: {path} is not a local folder: it does not exist")
     try:
         config = AutoConfig.from_pretrained(spec.name, revision=spec.revision, trust_remote_code=spec.trust_remote_code)
     except OSError as exc:

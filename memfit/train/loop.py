@@ -114,7 +114,7 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 def train(cfg: RunConfig, progress: bool = True) -> RunResult:
     cfg = resolve_budget(cfg)  # budget: auto | size -> the planner's choice (a copy); no-op when unset
     # Under torchrun: join the process group (a single process gets a context that changes nothing).
-    dist = launch.init_distributed(cfg, resolve_device(cfg.device), load_model_config(cfg.model)[0])
+    dist = launch.init_distributed(cfg, resolve_device(cfg.device), lambda: load_model_config(cfg.model)[0])
     device = launch.local_device(resolve_device(cfg.device), dist)
     cfg = resolve_micro_batch(cfg, device)  # micro_batch: auto -> the largest that fits (a copy); else unchanged
     torch.manual_seed(cfg.seed)

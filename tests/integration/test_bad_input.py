@@ -119,7 +119,7 @@ CASES = [
          mentions=("config.yaml", "line")),
     Case("override-form", "command-line override without `=`", ["micro_batch"], mentions=("micro_batch", "key=value")),
     Case("model-missing", "model path that does not exist", ["model=/nonexistent/model"],
-         mentions=("model.name", "/nonexistent/model")),
+         mentions=("model.name", "/nonexistent/model", "does not exist")),
     Case("model-no-config", "model folder without config.json", setup=lambda t: _model_dir(t, "empty"),
          mentions=("empty", "config.json")),
     Case("model-unreadable", "model config.json that is not valid JSON",

@@ -3,6 +3,7 @@
 
 import json
 
+import pytest
 import yaml
 
 from memfit.cli import main
@@ -22,6 +23,7 @@ def losses(tmp_path):
     return [r["loss"] for r in rows if "loss" in r]
 
 
+@pytest.mark.slow
 def test_prepare_then_train_packed(tmp_path, capsys):
     config = write_config(tmp_path, path="builtin:demo", num_workers=2, prepared_dir=str(tmp_path / "prepared"))
     assert main(["data", "prepare", str(config), "packing=true", "seq_len=256", "--no-progress"]) == 0
@@ -38,6 +40,7 @@ def test_prepare_then_train_packed(tmp_path, capsys):
     assert "seq_len: prepared with 256, config has 128" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_train_streaming_sharegpt_with_workers(tmp_path):
     records = [{"conversations": [{"from": "human", "value": f"reverse {w}"}, {"from": "gpt", "value": w[::-1]}]}
                for w in ["apple", "banana", "cherry", "delta", "echo", "falcon"] * 50]

@@ -73,12 +73,16 @@ def test_train_with_a_budget_lets_the_planner_choose(tmp_path):
 
 
 @pytest.mark.slow
-def test_traced_engine_confirms_the_analytic_estimate(capsys):
-    args = ["plan", "memfit/tiny-llama", "--device", "cpu", "--micro-batch", "4", "--seq-len", "128", "--json"]
-    assert main(args) == 0
-    analytic = json.loads(capsys.readouterr().out)["estimate"]
-    assert main(args + ["--engine", "traced"]) == 0
-    traced = json.loads(capsys.readouterr().out)["estimate"]
-    assert traced["engine"] == "traced" and analytic["engine"] == "analytic"
-    error = (analytic["peak_allocated_bytes"] - traced["peak_allocated_bytes"]) / traced["peak_allocated_bytes"]
-    assert abs(error) < 0.10, error
+def test_traced_engine_confirms_the_analytic_estimate():
+    # In separate processes, as the CLI runs: in one pytest process after a real training run the traced
+    # engine's materialisation has failed (`Couldn't swap Embedding.weight`), reported to its owner.
+    args = [sys.executable, "-m", "memfit", "plan", "memfit/tiny-llama", "--device", "cpu", "--micro-batch", "4",
+            "--seq-len", "128", "--json"]
+    estimates = {}
+    for engine in ("analytic", "traced"):
+        proc = subprocess.run(args + ["--engine", engine], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        estimates[engine] = json.loads(proc.stdout)["estimate"]
+        assert estimates[engine]["engine"] == engine
+    analytic, traced = estimates["analytic"]["peak_allocated_bytes"], estimates["traced"]["peak_allocated_bytes"]
+    assert abs(analytic - traced) / traced < 0.10, (analytic, traced)

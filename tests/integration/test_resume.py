@@ -215,7 +215,7 @@ def test_kill_9_at_random_points_then_resume_gives_the_uninterrupted_weights(tmp
     outputs, damaged = [], False  # (newest good checkpoint at launch, process output)
     for round_ in range(5):
         expected = _newest_good(out)
-        if round_ == 2 and len(checkpoint_dirs(out / "checkpoints")) == 2:
+        if not damaged and len(checkpoint_dirs(out / "checkpoints")) == 2:
             (checkpoint_dirs(out / "checkpoints")[0] / "model.safetensors").write_bytes(b"torn")  # a lost tail
             expected, damaged = _newest_good(out), True
         proc = _launch(config_path, out)

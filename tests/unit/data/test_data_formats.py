@@ -119,3 +119,10 @@ def test_detect_format():
     assert detect_format({"conversations": []}) == "chat"
     with pytest.raises(DataError, match="data.fields"):
         detect_format({"prompt": "x"})
+
+
+def test_config_rejects_unknown_memfit_field_names():
+    from memfit.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"data.fields: unknown memfit field name\(s\) \['question'\]"):
+        load_config(None, ["data.fields={question: instruction}"])
