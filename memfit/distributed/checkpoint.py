@@ -142,6 +142,11 @@ def save_final(model, tokenizer, out: Path, ctx: DistContext) -> None:
     hf_model = unwrap(model)
     if hasattr(hf_model, "hf_model"):  # pipeline wrapper keeps the meta skeleton of the full model
         hf_model = hf_model.hf_model
+    if getattr(hf_model.config, "tie_word_embeddings", False):  # gathered copies hide the tie from HF: drop
+        tied = getattr(hf_model, "_tied_weights_keys", None) or {}  # the duplicates as a one-process save does
+        for key in (tied if isinstance(tied, dict) else []):
+            if tied[key] in state:
+                state.pop(key, None)
     hf_model.save_pretrained(out, state_dict=state, safe_serialization=True)
     tokenizer.save_pretrained(out)
 

@@ -54,10 +54,8 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.optim.Optimizer], cfg,
-          ctx: DistContext, device: torch.device, load: bool = True) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    """`model, optimizer = shard(model, optimizer_factory, cfg, ctx, device)`; unchanged when off.
-
-    `load=False` (the planner's per-rank trace, on fake tensors): skip sending rank 0's weights."""
+          ctx: DistContext, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    """`model, optimizer = shard(model, optimizer_factory, cfg, ctx, device)`; unchanged when off."""
     if not ctx.enabled:
         model = place(model, device)
         return model, optimizer_factory(trainable(model))
@@ -72,7 +70,7 @@ def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.opti
         model = build_pipeline(model, cfg, ctx, device)
         return model, optimizer_factory(trainable(model))
     if cfg.sharding in FSDP2:
-        model = _fully_shard(model, cfg, ctx, device, load)
+        model = _fully_shard(model, cfg, ctx, device)
         return model, optimizer_factory(trainable(model))
     return _ddp(model, optimizer_factory, cfg, device)
 
@@ -91,7 +89,7 @@ def _ddp(model, optimizer_factory, cfg, device):
 
 
 def place(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Move to the device; a model still on `meta` (the planner's trace) gets storage there instead."""
+    """Move to the device; a model built on `meta` gets (uninitialised) storage there instead."""
     if any(p.is_meta for p in model.parameters()):
         model = model.to_empty(device=device)
         if hasattr(model, "tie_weights"):  # to_empty gives every parameter its own tensor: re-tie
@@ -115,7 +113,7 @@ def _zero_redundancy(template: torch.optim.Optimizer, params: list) -> torch.opt
     return optimizer
 
 
-def _fully_shard(model, cfg, ctx: DistContext, device: torch.device, load: bool = True):
+def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
     import torch.distributed as dist
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
     from torch.distributed.device_mesh import init_device_mesh
@@ -125,8 +123,8 @@ def _fully_shard(model, cfg, ctx: DistContext, device: torch.device, load: bool 
 
     # Rank 0 keeps references to its full weights (and every buffer, rotary tables included,
     # which state_dict leaves out) while the module itself becomes shapes only, like the others.
-    full_state = model.state_dict() if ctx.rank == 0 and load else {}
-    full_buffers = dict(model.named_buffers()) if ctx.rank == 0 and load else {}
+    full_state = model.state_dict() if ctx.rank == 0 else {}
+    full_buffers = dict(model.named_buffers()) if ctx.rank == 0 else {}
     model = model.to("meta")
     if hasattr(model, "tie_weights"):  # moving to meta unties shared weights (embeddings/lm_head): tie again
         model.tie_weights()
@@ -144,8 +142,6 @@ def _fully_shard(model, cfg, ctx: DistContext, device: torch.device, load: bool 
             for key, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[key] = buffer.to(device)
-    if not load:
-        return model
     set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     with torch.no_grad():
         for name, buffer in model.named_buffers():

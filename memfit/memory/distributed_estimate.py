@@ -226,3 +226,20 @@ def zero_model_states_like_deepspeed(total_params: int, largest_layer_params: in
     weights, grads, states = zero_split(2 * total_params, 2 * total_params, 16 * total_params, stage, gpus)
     gathered = 4 * largest_layer_params if stage == 3 else 0
     return weights + grads + states + gathered
+
+
+def node_cpu_ram(ram: dict[str, int], shape, cfg, gpus: int, device: str = "cuda") -> dict[str, int]:
+    """Host RAM of one node running `gpus` ranks, from the single-process terms (`ram`).
+
+    Every rank has its own runtime and data pipeline. Loading: with zero2/zero3 only rank 0
+    materialises the model (the others build on meta and receive shards); ddp/zero1 and
+    tensor/pipeline parallel build it on every rank. Offloaded shards: each rank's."""
+    if gpus <= 1 and cfg.sharding == "none":
+        return ram
+    out = {key: value * gpus for key, value in ram.items() if key != "model_load"}
+    if "model_load" in ram:
+        out["model_load"] = ram["model_load"] * (1 if cfg.sharding in ("zero2", "zero3") else gpus)
+    offloaded = rank_states(shape, cfg, gpus, device).host_bytes * gpus
+    if offloaded:
+        out["offloaded_model_states"] = offloaded
+    return out

@@ -128,6 +128,7 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
+_SAID_NOOP = False
 _STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
@@ -148,8 +149,11 @@ def activation_offload(enabled: bool, device: torch.device, params=(), min_bytes
         params = list(params)
         return lambda: OffloadActivations(params, min_bytes, simulate=True)
     if torch.device(device).type == "cpu":
-        log.info("activation_offload: this run is on the CPU, where activations already live in host memory; "
-                 "nothing to offload (no-op)")
+        global _SAID_NOOP
+        if not _SAID_NOOP:  # once per process, not once per planner trace
+            _SAID_NOOP = True
+            log.info("activation_offload: this run is on the CPU, where activations already live in host memory; "
+                     "nothing to offload (no-op)")
         return nullcontext
     params = list(params)
     return lambda: OffloadActivations(params, min_bytes)

@@ -194,6 +194,10 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
                                       "continue with resume=true", stop.signum)
 
     report = measured_report(tracker, device)
+    if cfg.track_memory and not dist.enabled:  # the plan's numbers beside the measurement (memory/trace.py)
+        from memfit.memory.trace import add_traced_estimate
+
+        add_traced_estimate(report, cfg, device)
     save_weights(model, tokenizer, out)  # sharded: gathered to rank 0, which writes ordinary files
     if dist.is_main:
         save_adapter_outputs(unwrap(model), cfg, out)  # random-init base next to the adapter; merged if merge: true

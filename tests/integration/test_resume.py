@@ -216,11 +216,14 @@ def test_kill_9_at_random_points_then_resume_gives_the_uninterrupted_weights(tmp
     for round_ in range(5):
         expected = _newest_good(out)
         if not damaged and len(checkpoint_dirs(out / "checkpoints")) == 2:
-            (checkpoint_dirs(out / "checkpoints")[0] / "model.safetensors").write_bytes(b"torn")  # a lost tail
-            expected, damaged = _newest_good(out), True
+            newest = checkpoint_dirs(out / "checkpoints")[0]
+            (newest / "model.safetensors").write_bytes(b"torn")  # as if the disk lost the end of the file
+            expected, damaged = _newest_good(out), newest.name
+            print(f"damaged {newest.name} by hand")
         proc = _launch(config_path, out)
-        if rng.random() < 0.2:
-            time.sleep(rng.uniform(0.5, 4.0))  # during startup, before or after the resume
+        when = "during start-up" if rng.random() < 0.2 else "during training"
+        if when == "during start-up":
+            time.sleep(rng.uniform(0.5, 4.0))  # before or after the resume
         else:  # during training, a random number of steps in: counted, not timed (the machine may be busy)
             done = int(expected.split("-")[1]) if expected else 0  # metrics are cut back to it on resume
             target = done + rng.randint(1, 6)
@@ -230,8 +233,9 @@ def test_kill_9_at_random_points_then_resume_gives_the_uninterrupted_weights(tmp
             os.kill(proc.pid, signal.SIGKILL)
             kills += 1
         outputs.append((expected, proc.communicate()[0]))
-        print(f"round {round_}: newest good checkpoint {expected}, exit {proc.returncode}, "
+        print(f"round {round_}: killed {when}; newest good checkpoint at launch {expected}, exit {proc.returncode}, "
               f"{_steps_logged(metrics_file)} metrics lines")
+        print("".join(f"    {line}\n" for line in outputs[-1][1].splitlines() if "damaged" in line or "resuming" in line))
 
     # 3. Run to the end.
     proc = _launch(config_path, out)

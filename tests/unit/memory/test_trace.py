@@ -99,6 +99,9 @@ def test_padded_batches_build_the_attention_mask(tmp_path):
     unpadded = trace_estimate(cfg, device="cpu", padded=False)
     report = train(cfg, progress=False).report
     _assert_matches(padded, report)
+    # The trainer puts the same traced estimate (padded by default here) beside its measurement.
+    assert report.estimated_peak_bytes == padded.peak_allocated_bytes
+    assert report.estimated_by_category == padded.by_category
     # The mask (bf16: 2 bytes per [seq x seq] entry per row), saved by every layer, is what differs.
     assert padded.by_category["activations"] > unpadded.by_category["activations"]
 

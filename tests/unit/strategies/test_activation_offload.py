@@ -64,7 +64,10 @@ def test_parameters_and_small_tensors_stay():
     assert nothing.offloaded_bytes == 0 and not nothing.copied
 
 
-def test_cpu_run_is_a_noop_and_says_so(caplog):
+def test_cpu_run_is_a_noop_and_says_so(caplog, monkeypatch):
+    import memfit.strategies.activation_offload as module
+
+    monkeypatch.setattr(module, "_SAID_NOOP", False)  # it says so once per process
     with caplog.at_level(logging.INFO, logger="memfit.strategies.activation_offload"):
         factory = activation_offload(True, torch.device("cpu"))
     assert factory().__class__.__name__ == "nullcontext"

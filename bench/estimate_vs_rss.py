@@ -1,0 +1,110 @@
+"""The traced estimate against an independent measure: the process's RSS growth while training.
+
+A 12-layer Llama-style model of ~134M parameters (built from a config, random init) trains for
+two steps on CPU with `memfit.train.loop.train`. Printed side by side:
+  * the traced estimate (fake tensors, computed first, in this process, before the baseline),
+  * the tracker's measurement of the run (real tensors),
+  * RSS growth: peak RSS during training minus RSS just before `train` (before the model exists).
+The peak RSS is read when training ends, just before the run saves its checkpoint and weights
+(serialising them would add its own copy, which is not training memory).
+
+    .venv/bin/python bench/estimate_vs_rss.py [--layers 12] [--hidden 768] [--seq-len 256] [--micro-batch 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import resource
+import tempfile
+from pathlib import Path
+
+import torch
+
+import memfit.train.loop as loop
+from memfit.config import load_config
+from memfit.memory.report import format_bytes
+from memfit.memory.trace import trace_estimate
+
+
+def current_rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def write_model_and_data(folder: Path, layers: int, hidden: int) -> tuple[Path, Path]:
+    model_dir = folder / "model"
+    model_dir.mkdir()
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 32000,
+              "hidden_size": hidden, "intermediate_size": hidden * 8 // 3 // 64 * 64,
+              "num_hidden_layers": layers, "num_attention_heads": hidden // 64, "num_key_value_heads": hidden // 64,
+              "max_position_embeddings": 4096, "rms_norm_eps": 1e-5, "tie_word_embeddings": False,
+              "bos_token_id": 256, "eos_token_id": 257, "pad_token_id": 258}
+    (model_dir / "config.json").write_text(json.dumps(config))
+    rng = random.Random(0)
+    data = folder / "long.jsonl"
+    with data.open("w") as f:  # every example longer than seq_len: full-length rows, no padding
+        for _ in range(16):
+            f.write(json.dumps({"text": " ".join(rng.choice(["alpha", "beta", "gamma", "delta"])
+                                                 for _ in range(2000))}) + "\n")
+    return model_dir, data
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--optimizer", default="adamw")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.ERROR)
+    torch.set_num_threads(2)
+    folder = Path(tempfile.mkdtemp(prefix="memfit-rss-"))
+    model_dir, data = write_model_and_data(folder, args.layers, args.hidden)
+    cfg = load_config(None, [f"model={model_dir}", f"data.path={data}", "data.format=text", "max_steps=2",
+                             "device=cpu", f"micro_batch={args.micro_batch}", f"seq_len={args.seq_len}",
+                             f"precision={args.precision}", f"optimizer={args.optimizer}", "warmup_steps=0",
+                             f"output_dir={folder / 'run'}"])
+
+    estimate = trace_estimate(cfg, device="cpu", padded=False)
+
+    # Read the peak when training is over, before the run serialises checkpoint and weights.
+    at_end: dict[str, int] = {}
+    originals = {name: getattr(loop, name) for name in ("save_checkpoint", "save_model")}
+
+    def reading_first(original):
+        def wrapped(*a, **k):
+            at_end.setdefault("peak_rss", peak_rss_bytes())
+            return original(*a, **k)
+        return wrapped
+
+    for name, original in originals.items():
+        setattr(loop, name, reading_first(original))
+    baseline = current_rss_bytes()
+    report = loop.train(cfg, progress=False).report
+    growth = at_end.get("peak_rss", peak_rss_bytes()) - baseline
+
+    params = sum(p.numel() for p in loop.build_model(cfg.model, on_meta=True).parameters())
+    print(f"model: {args.layers} layers, hidden {args.hidden}, {params / 1e6:.1f}M parameters; "
+          f"{args.precision}, {args.optimizer}, micro_batch {args.micro_batch}, seq_len {args.seq_len}, 2 steps on CPU")
+    print(f"{'':<36}{'bytes':>16}{'':>12}{'estimate / this':>17}")
+    rows = [("traced estimate (fake tensors)", estimate.peak_allocated_bytes),
+            ("tracker measurement (real tensors)", report.measured_peak_bytes),
+            ("RSS growth (peak - before model)", growth)]
+    for name, value in rows:
+        print(f"{name:<36}{value:>16,}{format_bytes(value):>12}{estimate.peak_allocated_bytes / value:>17.3f}")
+    print(f"baseline RSS before the model: {format_bytes(baseline)}; "
+          f"estimate by category: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in estimate.by_category.items()))
+
+
+if __name__ == "__main__":
+    main()
