@@ -8,6 +8,12 @@ two steps on CPU with `memfit.train.loop.train`. Printed side by side:
 The peak RSS is read when training ends, just before the run saves its checkpoint and weights
 (serialising them would add its own copy, which is not training memory).
 
+Each measurement runs in a fresh child process, twice: with glibc malloc's defaults, and with
+MALLOC_MMAP_THRESHOLD_=131072, which fixes the threshold above which malloc maps memory directly
+(and unmaps it on free). By default glibc raises that threshold up to 32 MiB after the first
+large frees, so later tensors of 128 KiB-32 MiB come from the heap, whose freed pages mostly stay
+resident: RSS then counts memory the program has freed.
+
     .venv/bin/python bench/estimate_vs_rss.py [--layers 12] [--hidden 768] [--seq-len 256] [--micro-batch 2]
 """
 
@@ -19,6 +25,8 @@ import logging
 import os
 import random
 import resource
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -57,15 +65,8 @@ def write_model_and_data(folder: Path, layers: int, hidden: int) -> tuple[Path, 
     return model_dir, data
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--hidden", type=int, default=768)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--precision", default="fp32")
-    parser.add_argument("--optimizer", default="adamw")
-    args = parser.parse_args()
+def measure(args) -> dict:
+    """In this (child) process: the estimate, the tracker's measurement and the RSS growth."""
     logging.basicConfig(level=logging.ERROR)
     torch.set_num_threads(2)
     folder = Path(tempfile.mkdtemp(prefix="memfit-rss-"))
@@ -74,36 +75,50 @@ def main() -> None:
                              "device=cpu", f"micro_batch={args.micro_batch}", f"seq_len={args.seq_len}",
                              f"precision={args.precision}", f"optimizer={args.optimizer}", "warmup_steps=0",
                              f"output_dir={folder / 'run'}"])
-
     estimate = trace_estimate(cfg, device="cpu", padded=False)
 
     # Read the peak when training is over, before the run serialises checkpoint and weights.
     at_end: dict[str, int] = {}
-    originals = {name: getattr(loop, name) for name in ("save_checkpoint", "save_model")}
-
-    def reading_first(original):
-        def wrapped(*a, **k):
+    for name in ("save_checkpoint", "save_model"):
+        def reading_first(*a, _original=getattr(loop, name), **k):
             at_end.setdefault("peak_rss", peak_rss_bytes())
-            return original(*a, **k)
-        return wrapped
-
-    for name, original in originals.items():
-        setattr(loop, name, reading_first(original))
+            return _original(*a, **k)
+        setattr(loop, name, reading_first)
     baseline = current_rss_bytes()
     report = loop.train(cfg, progress=False).report
     growth = at_end.get("peak_rss", peak_rss_bytes()) - baseline
-
     params = sum(p.numel() for p in loop.build_model(cfg.model, on_meta=True).parameters())
-    print(f"model: {args.layers} layers, hidden {args.hidden}, {params / 1e6:.1f}M parameters; "
-          f"{args.precision}, {args.optimizer}, micro_batch {args.micro_batch}, seq_len {args.seq_len}, 2 steps on CPU")
-    print(f"{'':<36}{'bytes':>16}{'':>12}{'estimate / this':>17}")
-    rows = [("traced estimate (fake tensors)", estimate.peak_allocated_bytes),
-            ("tracker measurement (real tensors)", report.measured_peak_bytes),
-            ("RSS growth (peak - before model)", growth)]
-    for name, value in rows:
-        print(f"{name:<36}{value:>16,}{format_bytes(value):>12}{estimate.peak_allocated_bytes / value:>17.3f}")
-    print(f"baseline RSS before the model: {format_bytes(baseline)}; "
-          f"estimate by category: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in estimate.by_category.items()))
+    return {"params": params, "estimate": estimate.peak_allocated_bytes, "tracker": report.measured_peak_bytes,
+            "rss_growth": growth, "baseline": baseline, "by_category": estimate.by_category}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--precision", default="fp32")
+    parser.add_argument("--optimizer", default="adamw")
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        print("RESULT " + json.dumps(measure(args)))
+        return
+    runs = {}
+    for name, env in (("glibc defaults", {}), ("MALLOC_MMAP_THRESHOLD_=131072", {"MALLOC_MMAP_THRESHOLD_": "131072"})):
+        done = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env={**os.environ, **env},
+                              capture_output=True, text=True, check=True)
+        runs[name] = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    first = next(iter(runs.values()))
+    print(f"model: {args.layers} layers, hidden {args.hidden}, {first['params'] / 1e6:.1f}M parameters; {args.precision}, "
+          f"{args.optimizer}, micro_batch {args.micro_batch}, seq_len {args.seq_len}, 2 steps on CPU")
+    print("estimate by category: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in first["by_category"].items()))
+    print(f"{'malloc':<32}{'traced estimate':>17}{'tracker (real)':>17}{'RSS growth':>14}{'estimate/RSS':>14}"
+          f"{'RSS before model':>18}")
+    for name, r in runs.items():
+        print(f"{name:<32}{format_bytes(r['estimate']):>17}{format_bytes(r['tracker']):>17}"
+              f"{format_bytes(r['rss_growth']):>14}{r['estimate'] / r['rss_growth']:>14.3f}{format_bytes(r['baseline']):>18}")
 
 
 if __name__ == "__main__":

@@ -85,13 +85,13 @@ def main() -> None:
     print(f"\nLlama-style model: {rows[0][1] / 1e6:.1f}M parameters ({args.layers} layers, hidden {args.hidden}, "
           f"vocab {args.vocab}), micro_batch {args.micro_batch} x seq_len {args.seq_len}, fp32, AdamW, "
           f"{torch.get_num_threads()} threads; step time = median of {args.steps} steps after 1 warm-up")
-    print(f"{'variant':<15}{'trainable':>12}{'peak (tracker)':>18}{'x full':>8}{'weights':>12}{'grads':>11}"
-          f"{'optim':>11}{'activ.':>12}{'temp.':>11}{'step s':>9}{'x full':>8}")
+    print(f"{'variant':<15}{'trainable':>12}{'peak (tracker)':>18}{'x full':>8}{'weights':>14}{'grads':>14}"
+          f"{'optim':>14}{'activ.':>14}{'temp.':>14}{'step s':>9}{'x full':>8}")
     for name, _, trainable, peak, cat, step_s in rows:
         print(f"{name:<15}{trainable / 1e6:>11.2f}M{format_bytes(peak):>18}{peak / base_peak:>8.2f}"
-              f"{format_bytes(cat['weights']):>12}{format_bytes(cat['gradients']):>11}"
-              f"{format_bytes(cat['optimizer_states']):>11}{format_bytes(cat['activations']):>12}"
-              f"{format_bytes(cat['temporaries']):>11}{step_s:>9.2f}{step_s / base_time:>8.2f}")
+              f"{format_bytes(cat['weights']):>14}{format_bytes(cat['gradients']):>14}"
+              f"{format_bytes(cat['optimizer_states']):>14}{format_bytes(cat['activations']):>14}"
+              f"{format_bytes(cat['temporaries']):>14}{step_s:>9.2f}{step_s / base_time:>8.2f}")
     print("(bytes in GiB/MiB = 2^30/2^20; 'x full' = ratio to the full fine-tune in this run)")
 
 

@@ -152,10 +152,12 @@ def load_tokenizer(spec: ModelConfig):
                 tokenizer = None
         elif _is_preset(spec.name):
             tokenizer = None
+        elif spec.name.startswith(("/", "./", "../", "~")):  # clearly a path, not a hub id: don't ask the hub
+            raise ModelLoadError(f"model.name: {path} is not a local folder: it does not exist")
         else:
             tokenizer = AutoTokenizer.from_pretrained(spec.name, revision=spec.revision,
                                                       trust_remote_code=spec.trust_remote_code)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: transformers' check of the repo id's form
         raise ModelLoadError(f"tokenizer for '{spec.name}' could not be loaded: {str(exc).splitlines()[0]}") from None
     if tokenizer is None:
         log.info("no tokenizer shipped with '%s': using memfit's byte-level tokenizer", spec.name)

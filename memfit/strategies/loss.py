@@ -3,7 +3,8 @@
 The plain loss lets the model compute `logits = lm_head(hidden)` for every token and then
 upcasts them to fp32: for a 128k vocabulary at 8k tokens that is a 4 GiB fp32 tensor (plus
 the model-dtype copy and its gradient). The chunked loss runs the decoder, then applies
-`lm_head` + cross-entropy to a few tokens at a time under non-reentrant checkpointing, so
+`lm_head` + cross-entropy to a chunk of tokens at a time (default: about vocab/hidden chunks,
+at least 64 tokens each) under non-reentrant checkpointing, so
 only one chunk's logits exist at once in the forward and each chunk's logits are recomputed
 one chunk at a time in the backward. Same loss and gradients as the plain loss (summed
 per-token losses divided by the target tokens of the whole step), at the cost of one extra
@@ -26,7 +27,13 @@ from memfit.errors import MemfitError
 log = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100  # label that cross-entropy skips (Hugging Face / memfit.data convention)
-DEFAULT_CHUNK_TOKENS = 1024  # 1024 tokens x 128k vocab x 4 B = 512 MiB of fp32 logits per chunk
+MIN_CHUNK_TOKENS = 64  # below this the per-chunk overhead (checkpoint, small matmuls) dominates
+
+
+def auto_chunk_tokens(tokens: int, vocab: int, hidden: int) -> int:
+    """About vocab/hidden chunks, so that one chunk's fp32 logits weigh about as much as the hidden
+    states they come from (the rule Liger-Kernel's fused linear cross-entropy uses)."""
+    return max(MIN_CHUNK_TOKENS, -(-tokens // max(1, -(-vocab // hidden))))
 
 
 def plain_loss(model: torch.nn.Module, batch: dict, num_targets: int) -> torch.Tensor:
@@ -60,7 +67,7 @@ def _chunk_loss_sum(head: torch.nn.Module, softcap: float | None, hidden: torch.
 
 
 def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: torch.nn.Module, num_targets: int,
-                          chunk_tokens: int = DEFAULT_CHUNK_TOKENS, softcap: float | None = None) -> torch.Tensor:
+                          chunk_tokens: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Sum over tokens of CE(head(hidden), next-token label) / num_targets, chunk by chunk.
 
     hidden [batch, seq, hidden_size], labels [batch, seq] (unshifted, IGNORE_INDEX where no loss).
@@ -68,6 +75,9 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: torc
     shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]  # token t predicts label t+1
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])
     flat_labels = shifted.reshape(-1)
+    if chunk_tokens is None:
+        vocab = getattr(head, "out_features", None) or head.weight.shape[0]
+        chunk_tokens = auto_chunk_tokens(flat_hidden.shape[0], vocab, flat_hidden.shape[1])
     piece = functools.partial(_chunk_loss_sum, head, softcap)
     total = hidden.new_zeros((), dtype=torch.float32)
     for h, y in zip(flat_hidden.split(chunk_tokens), flat_labels.split(chunk_tokens)):
@@ -77,7 +87,7 @@ def chunked_cross_entropy(hidden: torch.Tensor, labels: torch.Tensor, head: torc
 
 
 def chunked_loss(model: torch.nn.Module, batch: dict, num_targets: int,
-                 chunk_tokens: int = DEFAULT_CHUNK_TOKENS) -> torch.Tensor:
+                 chunk_tokens: int | None = None) -> torch.Tensor:
     """Drop-in for `plain_loss` that never materialises the full [tokens x vocab] logits."""
     decoder, head, softcap = split_head(model)
     inputs = {k: v for k, v in batch.items() if k != "labels"}  # incl. position_ids of packed batches
@@ -85,7 +95,7 @@ def chunked_loss(model: torch.nn.Module, batch: dict, num_targets: int,
     return chunked_cross_entropy(hidden, batch["labels"], head, num_targets, chunk_tokens, softcap)
 
 
-def loss_function(chunked: bool, chunk_tokens: int = DEFAULT_CHUNK_TOKENS):
+def loss_function(chunked: bool, chunk_tokens: int | None = None):
     """The loss a run uses: `plain_loss` when chunked is off (unchanged behaviour)."""
     if not chunked:
         return plain_loss

@@ -97,6 +97,7 @@ class Recorder:
                 hook.remove()
 
 
+@pytest.mark.slow  # three 12-step runs: 80 s on the loaded 2-core machine
 def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
     settings = run_settings(tmp_path)
     straight = Recorder(monkeypatch)

@@ -60,16 +60,16 @@ def is_adapter(name: str) -> bool:
 
 @torch.no_grad()
 def logits(model, batch=None) -> torch.Tensor:
-    was_training = model.training
-    model.eval()
-    out = model(input_ids=(batch or fixed_batch(seed=7))["input_ids"]).logits.float()
-    model.train(was_training)
-    return out
+    """Logits in train mode (no dropout in these models): bitsandbytes' 4-bit layers switch to a
+    repacked bf16 CPU kernel in eval mode, which also fails for in_features not a multiple of 64."""
+    model.train()
+    return model(input_ids=(batch or fixed_batch(seed=7))["input_ids"]).logits.float()
 
 
 # --- tests -------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 20-170 s each on 2 busy cores
 @pytest.mark.parametrize("extra", [{}, {"lora.use_dora": "true"}, {"lora.use_rslora": "true", "lora.targets": "all-linear"}],
                          ids=["lora", "dora", "rslora-all-linear"])
 def test_loss_falls_and_only_adapters_change(tiny_config, extra):
@@ -97,7 +97,7 @@ def test_options_reach_peft(tiny_config):
     assert wrapped == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     assert layer.scaling["default"] == pytest.approx(8 / math.sqrt(4))  # rsLoRA: alpha / sqrt(r)
-    assert model.peft_config["default"].modules_to_save == ["embed_tokens"]
+    assert any(name.endswith("embed_tokens") for name in model.peft_config["default"].modules_to_save)
     assert any("embed_tokens.modules_to_save" in n and p.requires_grad for n, p in model.named_parameters())
 
 

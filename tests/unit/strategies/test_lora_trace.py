@@ -48,6 +48,7 @@ def measure_real(cfg, padded: bool) -> tuple[int, dict[str, int]]:
     return tracker.peak_bytes, tracker.peak_by_category()
 
 
+@pytest.mark.slow  # 20-170 s each on 2 busy cores
 @pytest.mark.parametrize("extra", CONFIGS, ids=lambda e: "-".join(f"{v}" for v in e.values()))
 def test_traced_estimate_matches_real_run(tiny_config, extra):
     cfg = tiny_config(seq_len=48, micro_batch=4, **extra)
