@@ -48,6 +48,11 @@ PLAN_OPTIONS = {
     "grad_accum": dict(type=int), "packing": dict(choices=["true", "false"]), "lora.rank": dict(type=int),
     "lora.alpha": dict(type=float), "lora.targets": dict(help="comma-separated module names, or all-linear"),
     "quant": dict(choices=["none", "nf4", "nf4-dq", "fp4", "int8"]),
+    # issue 6: per-rank plan with --gpus N (docs/distributed.md)
+    "sharding": dict(choices=["none", "ddp", "zero1", "zero2", "zero3"]),
+    "offload": dict(choices=["none", "optimizer", "params", "all"]),
+    "tensor_parallel": dict(type=int, help="tensor-parallel degree K (alias --tp)"),
+    "pipeline_parallel": dict(type=int, help="pipeline stages S (alias --pp)"),
     # issue 7 switches (flags: present = true)
     "chunked_loss": dict(action="store_const", const="true", help="cross-entropy in chunks (no full logits)"),
     "optimizer_in_backward": dict(action="store_const", const="true",
@@ -200,7 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd = sub.add_parser("plan", help="predict a run's peak GPU/CPU memory; with --budget, pick the fastest setup that fits")
     plan_cmd.add_argument("model", help="preset name (`memfit presets`), local folder with config.json, or hub id")
     for key, kwargs in PLAN_OPTIONS.items():
-        plan_cmd.add_argument("--" + key.replace("_", "-").replace(".", "-"), dest=key.replace(".", "_"), **kwargs)
+        aliases = {"tensor_parallel": ["--tp"], "pipeline_parallel": ["--pp"]}.get(key, [])
+        plan_cmd.add_argument("--" + key.replace("_", "-").replace(".", "-"), *aliases, dest=key.replace(".", "_"),
+                              **kwargs)
     plan_cmd.add_argument("--config", help="start from this RunConfig YAML (options override it)")
     plan_cmd.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other RunConfig key (repeatable)")
     plan_cmd.add_argument("--budget", help="GPU memory per device, e.g. 24GiB or 80GB: run the roadmap tiers")

@@ -448,6 +448,7 @@ def shard_model_states(by_category: dict[str, int], cfg: RunConfig, gpus: int, w
 
 def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", gpus: int = 1) -> Estimate:
     """Closed-form estimate of one run's peak memory per device (see docs/planner.md)."""
+    from memfit.memory.distributed_estimate import node_cpu_ram, per_rank_candidates  # issue 6
     if model_config is None:
         from memfit.models.loading import load_model_config
         model_config, _ = load_model_config(cfg.model)
@@ -455,7 +456,9 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
         from memfit.errors import MemfitError
         raise MemfitError("micro_batch: auto is resolved by the planner; the analytic estimate needs a number")
     shape = model_shape(model_config)
-    candidates = {k: shard_model_states(v, cfg, gpus, k) for k, v in peak_candidates(shape, cfg).items()}
+    moments = beyond_basics_terms(peak_candidates(shape, cfg), shape, cfg, device)  # issue 7 features
+    candidates = {k: shard_model_states(v, cfg, gpus, k) for k, v in moments.items()}
+    candidates = per_rank_candidates(candidates, shape, cfg, gpus, device)  # sharded/tp/pp: distributed_estimate.py
     where, by_category = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     by_category = {c: int(by_category.get(c, 0)) for c in CATEGORIES}
     paged = 0
@@ -478,11 +481,58 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
             candidates["optimizer_step"][c] for c in ("weights", "gradients", "optimizer_states"))
     if device == "cpu":
         ram["training_state"] = allocated
+    ram = node_cpu_ram(ram, shape, cfg, gpus, device)  # per node: every rank's runtime, data, offload
     notes = [f"peak at {where.replace('_', ' ')}"]
     if device == "cuda":
         notes.append("nvidia-smi would show peak_reserved_bytes + cuda_context")
     return Estimate(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved, by_category=by_category,
                     overheads=overheads, cpu_ram_bytes=int(sum(ram.values())), engine="analytic", notes=notes)
+
+
+# --- issue 7: chunked loss, optimizer step in backward, activation offload --------------------------------
+# memfit/strategies/{loss,optimizer_in_backward,activation_offload}.py; see docs/beyond.md.
+
+
+def _largest_param_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """The biggest single trainable parameter: the most gradient optimizer_in_backward ever holds."""
+    if cfg.method == "full":
+        largest = max([i * o for _, i, o in shape.linear] + [shape.embedding_params, shape.lm_head_params or 0])
+    else:
+        largest = max([cfg.lora.rank * max(i, o) for _, i, o in adapted_linears(shape, cfg)] or [0])
+    return largest * _trainable_size(cfg)
+
+
+def beyond_basics_terms(candidates: dict[str, dict[str, int]], shape: ModelShape, cfg: RunConfig,
+                        device: str) -> dict[str, dict[str, int]]:
+    """Adjust peak_candidates for chunked_loss, optimizer_in_backward and activation_offload (no-ops when off).
+
+    chunked_loss           the fp32 [tokens x vocab] log-softmax is never saved; in backward one chunk's
+                           logits, log-softmax and their gradient exist at a time (3 x chunk x vocab x 4 B;
+                           chunk = max(64, tokens / ceil(vocab / hidden)) tokens)
+    optimizer_in_backward  at most one parameter's gradient (and the optimizer's scratch for it) at a time
+    activation_offload     (CUDA) saved activations wait in host RAM; the backward brings back one layer's
+                           (and, at its start, the loss's) at a time
+    """
+    out = {moment: dict(values) for moment, values in candidates.items()}
+    tokens = cfg.micro_batch * cfg.seq_len
+    loss = _loss_bytes(shape, cfg)
+    if getattr(cfg, "chunked_loss", False):
+        from memfit.strategies.loss import auto_chunk_tokens  # the chunk size the loss uses
+
+        chunk = min(tokens, auto_chunk_tokens(tokens, shape.vocab, shape.hidden)) * shape.vocab * 4
+        out["backward_start"]["activations"] -= loss
+        out["backward_start"]["temporaries"] += 3 * chunk - 2 * loss
+        loss = 0
+    if getattr(cfg, "optimizer_in_backward", False):
+        largest = _largest_param_bytes(shape, cfg)
+        for values in out.values():
+            values["gradients"] = min(values["gradients"], largest)
+        out["optimizer_step"].update(gradients=largest, temporaries=min(out["optimizer_step"]["temporaries"], largest))
+    if getattr(cfg, "activation_offload", False) and device == "cuda":
+        layer = int(_layer_bytes(shape, cfg))
+        out["backward_start"]["activations"] = min(out["backward_start"]["activations"], loss + layer)
+        out["backward_last"]["activations"] = min(out["backward_last"]["activations"], layer)
+    return out
 
 
 def device_total_bytes(estimate: Estimate) -> int:

@@ -202,9 +202,10 @@ def rank_estimate(cfg, gpus: int, device: str = "cuda", model_config=None) -> Es
 
 def per_rank_candidates(candidates: dict, shape, cfg, gpus: int, device: str = "cuda") -> dict:
     """For analytic.analytic_estimate: replace its moments by the per-rank ones when distributed."""
-    if gpus <= 1 and cfg.sharding == "none":
+    if cfg.sharding == "none" and cfg.tensor_parallel == 1 and cfg.pipeline_parallel == 1:
         return candidates
-    return rank_moments(shape, cfg, gpus, device)
+    stages = [rank_moments(shape, cfg, gpus, device, stage) for stage in range(cfg.pipeline_parallel)]
+    return max(stages, key=lambda moments: max(sum(c.values()) for c in moments.values()))  # the fullest stage
 
 
 # --- DeepSpeed's published ZeRO formulas, for docs/distributed.md ---------------------------------
@@ -231,15 +232,12 @@ def zero_model_states_like_deepspeed(total_params: int, largest_layer_params: in
 def node_cpu_ram(ram: dict[str, int], shape, cfg, gpus: int, device: str = "cuda") -> dict[str, int]:
     """Host RAM of one node running `gpus` ranks, from the single-process terms (`ram`).
 
-    Every rank has its own runtime and data pipeline. Loading: with zero2/zero3 only rank 0
-    materialises the model (the others build on meta and receive shards); ddp/zero1 and
-    tensor/pipeline parallel build it on every rank. Offloaded shards: each rank's."""
-    if gpus <= 1 and cfg.sharding == "none":
+    Every rank has its own runtime, data pipeline, offloaded shards (and on a CPU device its
+    training state). Loading: with zero2/zero3 only rank 0 materialises the model (the others
+    build on meta and receive shards); ddp/zero1 and tensor/pipeline parallel build it on every rank."""
+    if gpus <= 1:
         return ram
     out = {key: value * gpus for key, value in ram.items() if key != "model_load"}
     if "model_load" in ram:
         out["model_load"] = ram["model_load"] * (1 if cfg.sharding in ("zero2", "zero3") else gpus)
-    offloaded = rank_states(shape, cfg, gpus, device).host_bytes * gpus
-    if offloaded:
-        out["offloaded_model_states"] = offloaded
     return out

@@ -63,3 +63,19 @@ def test_zero_formulas_against_deepspeeds_estimators(gpus):
     assert zero_model_states_like_deepspeed(total, largest, gpus, stage=2) == gpu2
     ours3 = zero_model_states_like_deepspeed(total, largest, gpus, stage=3)
     assert ours3 - gpu3 == pytest.approx(2 * total / gpus, abs=8)
+
+
+def test_plan_cli_reports_the_per_rank_estimate(capsys):
+    """`memfit plan --gpus N --sharding/--tp/--pp`: the same JSON fields, per-rank figures."""
+    import json
+
+    from memfit.cli import main
+
+    for flags, overrides in ((["--sharding", "zero3"], ["sharding=zero3"]),
+                             (["--tp", "2", "--set", "max_grad_norm=null"], ["tensor_parallel=2", "max_grad_norm=null"]),
+                             (["--pp", "2", "--set", "max_grad_norm=null"], ["pipeline_parallel=2", "max_grad_norm=null"])):
+        assert main(["plan", "memfit/tiny-llama", "--gpus", "2", *flags, "--json"]) == 0
+        out = capsys.readouterr().out
+        plan = json.loads(out[out.index("{"):])
+        expected = rank_estimate(load_config(None, overrides), gpus=2, device="cuda")
+        assert plan["estimate"]["peak_allocated_bytes"] == expected.peak_allocated_bytes, flags
