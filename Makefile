@@ -10,7 +10,6 @@ STAMP := $(VENV)/.installed
 
 $(STAMP): requirements.txt constraints.txt pyproject.toml
 	$(PY) -m venv $(VENV)
-	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -c constraints.txt -r requirements.txt
 	$(BIN)/pip install --quiet -c constraints.txt -e .

@@ -307,7 +307,9 @@ def build_config(raw: dict, source: str = "config") -> RunConfig:
 
     from memfit.strategies.optimizer_in_backward import in_backward_problems  # grad_accum / clipping / fp16
 
-    problems = config_problems(cfg) + quant_problems(cfg) + in_backward_problems(cfg)
+    from memfit.strategies.optimizers import optimizer_problems  # backend / tracker combinations
+
+    problems = config_problems(cfg) + quant_problems(cfg) + in_backward_problems(cfg) + optimizer_problems(cfg)
     if problems:
         raise ConfigError(problems, source)
     return cfg

@@ -71,3 +71,16 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
     if not params:
         raise MemfitError("no trainable parameters: nothing for the optimizer to update")
     return _FACTORIES[name](params, lr, weight_decay, backend, device)
+
+
+def optimizer_problems(cfg) -> list[str]:
+    """Config combinations no optimizer backend can run, for build_config's list of problems."""
+    if cfg.optimizer_backend == "torchao" and cfg.optimizer != "adamw-8bit":
+        return [f"optimizer_backend: torchao only provides adamw-8bit here, not {cfg.optimizer}"]
+    if cfg.optimizer_backend == "torchao" and cfg.track_memory:
+        # torchao's step is torch.compile(fullgraph=True); compiled frames never run under a dispatch
+        # mode such as the tracker (dynamo skips them, then refuses for the rest of the process).
+        return ["optimizer_backend: torchao's compiled 8-bit step cannot run under memfit's memory tracker; "
+                "set track_memory: false, or use optimizer_backend: bitsandbytes (or auto)"]
+    return []
+

@@ -19,7 +19,6 @@ from memfit.distributed.sharding import builds_on_meta, initial_device, shard
 from memfit.errors import MemfitError
 from memfit.memory.report import MemoryReport, format_bytes
 from memfit.memory.planner import resolve_budget
-from memfit.memory.tracker import MemoryTracker, NullTracker
 from memfit.models.loading import build_model, load_model_config, load_tokenizer
 from memfit.models.merge import save_adapter_outputs
 from memfit.strategies.adapters import apply_method

@@ -22,7 +22,7 @@ def test_every_problem_is_listed_at_once_with_its_field_path(tmp_path):
     message = str(info.value)
     assert "5 problem(s)" in message
     assert "precision: got 'fp8'; allowed: 'fp32', 'bf16-mixed', 'fp16-mixed' or 'bf16-pure'" in message
-    assert "micro_batch: Input should be greater than or equal to 1" in message
+    assert "micro_batch: must be an integer >= 1 or 'auto' (got 0)" in message
     assert "checkpointing: must be 'none', 'full' or 'every-N'" in message
     assert "micro_bach: unknown field (did you mean 'micro_batch'?)" in message
     assert "lora.rank:" in message
@@ -66,3 +66,9 @@ def test_shipped_configs_validate(path):
 
 def test_configs_folder_is_not_empty():
     assert len(list(CONFIG_DIR.glob("*.yaml"))) >= 1
+
+
+def test_torchao_optimizer_with_the_tracker_is_refused_up_front():
+    with pytest.raises(ConfigError, match="track_memory: false"):
+        load_config(None, ["optimizer=adamw-8bit", "optimizer_backend=torchao"])
+    assert load_config(None, ["optimizer=adamw-8bit", "optimizer_backend=torchao", "track_memory=false"])
