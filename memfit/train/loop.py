@@ -156,7 +156,7 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
                 model, optimizer, pieces, precision, tracker, params, cfg.max_grad_norm,
                 target_count=launch.target_count(dist), **strategies), micro_batches, optimizer)
             result.loss = launch.mean_over_ranks(result.loss, dist)  # what one process would report
-            lr = scheduler.get_last_lr()[0]
+            lr = float(scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor (so compile does not retrace)
             scheduler.step()
             losses.append(result.loss)
             nonfinite_in_row = nonfinite_in_row + 1 if result.nonfinite else 0
