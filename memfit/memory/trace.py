@@ -300,3 +300,5 @@ def add_traced_estimate(report, cfg: RunConfig, device: torch.device) -> None:
         return
     report.estimated_peak_bytes = estimate.peak_allocated_bytes
     report.estimated_by_category = dict(estimate.by_category)
+    report.notes.append(f"estimated: the plan's traced step with every sequence {cfg.seq_len} tokens long (the worst "
+                        "case); measured batches are padded only to their longest example, so they can need less")
