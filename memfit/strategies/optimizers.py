@@ -65,18 +65,25 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
                     backend: str = "auto", device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     if name not in _FACTORIES:
         raise MemfitError(f"optimizer: unknown '{name}'; allowed: {', '.join(OPTIMIZERS)}")
-    if backend == "torchao" and name != "adamw-8bit":
-        raise MemfitError(f"optimizer_backend: torchao only provides adamw-8bit here, not {name}")
+    if problem := _backend_mismatch(name, backend):
+        raise MemfitError(problem)
     params = [p for p in params if p.requires_grad]
     if not params:
         raise MemfitError("no trainable parameters: nothing for the optimizer to update")
     return _FACTORIES[name](params, lr, weight_decay, backend, device)
 
 
+def _backend_mismatch(name: str, backend: str) -> str | None:
+    """The one check both config validation and direct callers of build_optimizer go through."""
+    if backend == "torchao" and name != "adamw-8bit":
+        return f"optimizer_backend: torchao only provides adamw-8bit here, not {name}"
+    return None
+
+
 def optimizer_problems(cfg) -> list[str]:
     """Config combinations no optimizer backend can run, for build_config's list of problems."""
-    if cfg.optimizer_backend == "torchao" and cfg.optimizer != "adamw-8bit":
-        return [f"optimizer_backend: torchao only provides adamw-8bit here, not {cfg.optimizer}"]
+    if problem := _backend_mismatch(cfg.optimizer, cfg.optimizer_backend):
+        return [problem]
     if cfg.optimizer_backend == "torchao" and cfg.track_memory:
         # torchao's step is torch.compile(fullgraph=True); compiled frames never run under a dispatch
         # mode such as the tracker (dynamo skips them, then refuses for the rest of the process).
