@@ -88,6 +88,11 @@ def _rank_peaks(run_dir: Path) -> list[int]:
     return [r["measured_peak_bytes"] for r in ranks]
 
 
+def _rank_categories(run_dir: Path) -> list[dict[str, int]]:
+    ranks = json.loads((run_dir / "distributed_memory.json").read_text())["ranks"]
+    return [r["measured_by_category_bytes"] for r in ranks]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Write data and config, run the single-process reference and every engine once."""
@@ -147,8 +152,16 @@ def test_memory_falls_as_the_zero_stage_rises(runs):
     peak = {name: max(_rank_peaks(root / name)) for name in ("ddp", "zero1", "zero2", "zero3", "zero3_offload")}
     assert peak["ddp"] > peak["zero1"] > peak["zero2"] > peak["zero3"], peak
     # On a CPU device the offload target is where the shards already are: no further saving here
-    # (the device-side saving is checked on CUDA in tests/gpu/test_distributed_gpu.py).
-    assert peak["zero3_offload"] == pytest.approx(peak["zero3"], rel=1e-3), peak
+    # (the device-side saving is checked on CUDA in tests/gpu/test_distributed_gpu.py). Each rank
+    # holds the same optimizer-state shard either way...
+    for rank, (plain, offload) in enumerate(zip(_rank_categories(root / "zero3"),
+                                                _rank_categories(root / "zero3_offload"))):
+        assert offload["optimizer_states"] == plain["optimizer_states"], (rank, plain, offload)
+    # ...but which backward moment is the peak is not fixed: gloo completes FSDP2's reduce-scatter
+    # on its own thread, so a rank's peak is either early in the backward (half the sharded
+    # gradients, more activations) or late (all of them, fewer activations). Seen on 2 cores:
+    # 10.74 or 11.03 MB for the same run (2.7%); so the totals agree within the 5% the planner is held to.
+    assert peak["zero3_offload"] == pytest.approx(peak["zero3"], rel=ESTIMATE_TOLERANCE), peak
 
 
 @pytest.mark.parametrize("name", list(ENGINES))
