@@ -6,7 +6,8 @@ Resumable checkpoint (every rank takes part): `<output_dir>/checkpoints/sharded-
                       DCP re-shards on load, so a zero2/zero3 run can resume on another number
                       of ranks; zero1 (ZeroRedundancyOptimizer) and pipeline stages store each
                       rank's own optimizer state (optim-rank<r>.pt): same number of ranks to resume.
-  trainer.pt          rank 0: step, data position, losses, scheduler state (weights_only load)
+  trainer.json        rank 0: step, data position, losses, non-finite count
+  scheduler.pt        rank 0: LR scheduler state (loaded with weights_only=True: never unpickles code)
   rng-rank<r>.pt      each rank's torch RNG state
 It is written under a `.tmp-` name and renamed by rank 0 once every rank has finished, so a
 folder with the final name is complete.
@@ -18,7 +19,9 @@ model's own `save_pretrained` (safetensors; PEFT adapter files for LoRA).
 
 from __future__ import annotations
 
+import json
 import logging
+import pickle
 import re
 import shutil
 from pathlib import Path
@@ -30,6 +33,7 @@ from memfit.errors import MemfitError
 
 log = logging.getLogger(__name__)
 PREFIX = "sharded-step-"
+TRAINER = "trainer.json"
 _NAME = re.compile(rf"^{PREFIX}(\d{{8,}})$")
 
 
@@ -78,7 +82,9 @@ def save_sharded(out: Path, step: int, trainer: dict, model, optimizer, ctx: Dis
         torch.save(_local_optimizer(optimizer).state_dict(), tmp / f"optim-rank{ctx.rank}.pt")
     torch.save({"torch_cpu": torch.get_rng_state()}, tmp / f"rng-rank{ctx.rank}.pt")
     if ctx.is_main:
-        torch.save(trainer, tmp / "trainer.pt")
+        plain = {key: value for key, value in trainer.items() if key != "scheduler"}
+        torch.save(trainer.get("scheduler"), tmp / "scheduler.pt")
+        (tmp / TRAINER).write_text(json.dumps(plain))  # written last: it marks the folder complete
     dist.barrier()
     if ctx.is_main:
         shutil.rmtree(final, ignore_errors=True)
@@ -90,7 +96,7 @@ def save_sharded(out: Path, step: int, trainer: dict, model, optimizer, ctx: Dis
 
 
 def sharded_checkpoints(root: Path) -> list[Path]:
-    found = [p for p in Path(root).glob(f"{PREFIX}*") if _NAME.match(p.name) and (p / "trainer.pt").exists()]
+    found = [p for p in Path(root).glob(f"{PREFIX}*") if _NAME.match(p.name) and (p / TRAINER).exists()]
     return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
 
 
@@ -100,8 +106,8 @@ def load_sharded(path: Path, model, optimizer, ctx: DistContext) -> dict:
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     path = Path(path)
-    if not (path / "trainer.pt").exists():
-        raise MemfitError(f"{path} is not a complete sharded checkpoint (no trainer.pt)")
+    if not (path / TRAINER).exists():
+        raise MemfitError(f"{path} is not a complete sharded checkpoint (no {TRAINER})")
     state, optimizer_in_dcp = _state(model, optimizer)
     dcp.load(state, checkpoint_id=str(path / "state"))
     if optimizer_in_dcp:
@@ -121,7 +127,18 @@ def load_sharded(path: Path, model, optimizer, ctx: DistContext) -> dict:
     rng = path / f"rng-rank{ctx.rank}.pt"
     if rng.exists():
         torch.set_rng_state(torch.load(rng, weights_only=True)["torch_cpu"])
-    return torch.load(path / "trainer.pt", weights_only=False)
+    return load_trainer(path)
+
+
+def load_trainer(path: Path) -> dict:
+    """Rank 0's trainer state of a sharded checkpoint: JSON, and the scheduler as plain tensors/numbers."""
+    trainer = json.loads((path / TRAINER).read_text())
+    try:  # a checkpoint is data: weights_only=True refuses pickled code
+        trainer["scheduler"] = torch.load(path / "scheduler.pt", weights_only=True)
+    except (pickle.UnpicklingError, RuntimeError) as exc:
+        raise MemfitError(f"{path / 'scheduler.pt'} holds more than plain data; refusing to unpickle it "
+                          f"(weights_only=True): {str(exc).splitlines()[0]}") from None
+    return trainer
 
 
 def full_state_dict(model, ctx: DistContext) -> dict[str, torch.Tensor]:
