@@ -3,11 +3,13 @@
 Resumable checkpoint (every rank takes part): `<output_dir>/checkpoints/sharded-step-00000042/`
   state/              torch.distributed.checkpoint (DCP) folder: model and optimizer state as
                       each rank holds it (FSDP2/TP shards as DTensors, DDP replicas once).
-                      DCP re-shards on load, so a zero2/zero3 run can resume on another number
-                      of ranks; zero1 (ZeroRedundancyOptimizer) and pipeline stages store each
-                      rank's own optimizer state (optim-rank<r>.pt): same number of ranks to resume.
+                      zero1 (ZeroRedundancyOptimizer) partitions and pipeline stages hold the
+                      optimizer states of their own parameters only: those are stored per
+                      parameter name (`optim_by_name`), each rank its own. DCP re-shards on
+                      load, so a zero1/zero2/zero3 run can resume on another number of ranks.
   trainer.json        rank 0: step, data position, losses, non-finite count
-  scheduler.pt        rank 0: LR scheduler state (loaded with weights_only=True: never unpickles code)
+  trainer.pt          rank 0: LR scheduler state and optimizer hyperparameters (loaded with
+                      weights_only=True: a checkpoint never unpickles code)
   rng-rank<r>.pt      each rank's torch RNG state
 It is written under a `.tmp-` name and renamed by rank 0 once every rank has finished, so a
 folder with the final name is complete.
@@ -34,6 +36,7 @@ from memfit.errors import MemfitError
 log = logging.getLogger(__name__)
 PREFIX = "sharded-step-"
 TRAINER = "trainer.json"
+TENSORS = "trainer.pt"  # scheduler state and optimizer hyperparameters
 _NAME = re.compile(rf"^{PREFIX}(\d{{8,}})$")
 
 
@@ -48,21 +51,69 @@ def _is_zero1(optimizer) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
+def _states_by_name(model, optimizer) -> bool:
+    """ZeRO-1 partitions and pipeline stages each hold the optimizer state of their own parameters
+    only, which DCP's optimizer support cannot describe: those are saved per parameter by name."""
+    return _is_zero1(optimizer) or hasattr(model, "stage_state_dict")
+
+
 def _local_optimizer(optimizer):
     """ZeroRedundancyOptimizer's own partition (`.optim`): saving it per rank avoids gathering the
     whole optimizer state on rank 0 (`consolidate_state_dict`), which costs rank 0 a full copy."""
     return optimizer.optim if _is_zero1(optimizer) else optimizer
 
 
-def _state(model, optimizer):
+def _local_params_by_name(model, optimizer) -> dict[str, torch.nn.Parameter]:
+    """This rank's optimizer parameters by their Hugging Face name (pipeline stages map theirs)."""
+    names = getattr(model, "names", None)  # PipelineModel: stage parameter name -> Hugging Face name
+    named = {}
+    for name, param in unwrap(model).named_parameters():
+        named[id(param)] = names[name.removeprefix("stage.")] if names is not None else name
+    return {named[id(p)]: p for group in _local_optimizer(optimizer).param_groups for p in group["params"]}
+
+
+def _named_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
+    """`{"<parameter name>::<state key>": tensor}` for the parameters this rank updates. The keys
+    differ per rank; DCP stores each rank's own, so any partition can find its parameters' later."""
+    state = _local_optimizer(optimizer).state
+    return {f"{name}::{key}": value if isinstance(value, torch.Tensor) else torch.tensor(value)
+            for name, param in _local_params_by_name(model, optimizer).items()
+            for key, value in state.get(param, {}).items()}
+
+
+def _state(model, optimizer) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if hasattr(model, "stage_state_dict"):  # pipeline stage: its own part of the model
-        return {"model": model.stage_state_dict()}, True
+        return {"model": model.stage_state_dict(), "optim_by_name": _named_optimizer_state(model, optimizer)}
     if _is_zero1(optimizer):
-        return {"model": get_model_state_dict(model)}, False
+        return {"model": get_model_state_dict(model), "optim_by_name": _named_optimizer_state(model, optimizer)}
     model_state, optim_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optim": optim_state}, True
+    return {"model": model_state, "optim": optim_state}
+
+
+def _load_named_optimizer_state(path: Path, model, optimizer) -> None:
+    """Give each of this rank's parameters the optimizer state saved under its name, whichever
+    rank (of however many) saved it; hyperparameters come from the saved param groups."""
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(path / "state")).read_metadata().state_dict_metadata
+    mine = _local_params_by_name(model, optimizer)
+    wanted = {}
+    for fqn, meta in saved.items():
+        name, _, key = fqn.removeprefix("optim_by_name.").partition("::")
+        if fqn.startswith("optim_by_name.") and name in mine:
+            wanted[fqn.removeprefix("optim_by_name.")] = torch.empty(meta.size, dtype=meta.properties.dtype)
+    if not wanted and mine and not any(fqn.startswith("optim_by_name.") for fqn in saved):
+        raise MemfitError(f"{path}: holds no per-parameter optimizer state (it was written by another engine); "
+                          "resume with the sharding it was saved with")
+    loaded = {"optim_by_name": wanted}
+    dcp.load(loaded, checkpoint_id=str(path / "state"))
+    local = _local_optimizer(optimizer)
+    for fqn, value in loaded["optim_by_name"].items():
+        name, _, key = fqn.partition("::")
+        param = mine[name]
+        local.state.setdefault(param, {})[key] = value.to(param.device) if value.dim() else value
 
 
 def save_sharded(out: Path, step: int, trainer: dict, model, optimizer, ctx: DistContext, keep: int = 2) -> Path:
@@ -76,14 +127,12 @@ def save_sharded(out: Path, step: int, trainer: dict, model, optimizer, ctx: Dis
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    state, optimizer_in_dcp = _state(model, optimizer)
-    dcp.save(state, checkpoint_id=str(tmp / "state"))
-    if not optimizer_in_dcp:  # each rank's own optimizer: its pipeline stage's, or its ZeRO-1 partition
-        torch.save(_local_optimizer(optimizer).state_dict(), tmp / f"optim-rank{ctx.rank}.pt")
+    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp / "state"))
     torch.save({"torch_cpu": torch.get_rng_state()}, tmp / f"rng-rank{ctx.rank}.pt")
     if ctx.is_main:
         plain = {key: value for key, value in trainer.items() if key != "scheduler"}
-        torch.save(trainer.get("scheduler"), tmp / "scheduler.pt")
+        groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+        torch.save({"scheduler": trainer.get("scheduler"), "param_groups": groups}, tmp / TENSORS)
         (tmp / TRAINER).write_text(json.dumps(plain))  # written last: it marks the folder complete
     dist.barrier()
     if ctx.is_main:
@@ -108,35 +157,33 @@ def load_sharded(path: Path, model, optimizer, ctx: DistContext) -> dict:
     path = Path(path)
     if not (path / TRAINER).exists():
         raise MemfitError(f"{path} is not a complete sharded checkpoint (no {TRAINER})")
-    state, optimizer_in_dcp = _state(model, optimizer)
+    state = _state(model, optimizer)
+    named = state.pop("optim_by_name", None) is not None
     dcp.load(state, checkpoint_id=str(path / "state"))
-    if optimizer_in_dcp:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
+    if named:
         if hasattr(model, "load_stage_state_dict"):
             model.load_stage_state_dict(state["model"])
         else:
             set_model_state_dict(model, state["model"])
-        optim_file = path / f"optim-rank{ctx.rank}.pt"
-        if not optim_file.exists() or (path / f"optim-rank{ctx.world_size}.pt").exists():
-            raise MemfitError(f"{path}: its optimizer state was written by another number of ranks; pipeline "
-                              "and zero1 checkpoints resume only on as many ranks as wrote them")
-        _local_optimizer(optimizer).load_state_dict(torch.load(optim_file, weights_only=True))
-        if _is_zero1(optimizer):
-            optimizer.state = optimizer.optim.state  # load_state_dict replaced the dict it aliases
+        _load_named_optimizer_state(path, model, optimizer)
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     rng = path / f"rng-rank{ctx.rank}.pt"
     if rng.exists():
         torch.set_rng_state(torch.load(rng, weights_only=True)["torch_cpu"])
-    return load_trainer(path)
+    trainer = load_trainer(path)
+    for group, saved in zip(optimizer.param_groups, trainer.pop("param_groups")):
+        group.update(saved)  # lr as of the saved step (the scheduler sets it again only after the next step)
+    return trainer
 
 
 def load_trainer(path: Path) -> dict:
     """Rank 0's trainer state of a sharded checkpoint: JSON, and the scheduler as plain tensors/numbers."""
     trainer = json.loads((path / TRAINER).read_text())
     try:  # a checkpoint is data: weights_only=True refuses pickled code
-        trainer["scheduler"] = torch.load(path / "scheduler.pt", weights_only=True)
+        trainer.update(torch.load(path / TENSORS, weights_only=True))
     except (pickle.UnpicklingError, RuntimeError) as exc:
-        raise MemfitError(f"{path / 'scheduler.pt'} holds more than plain data; refusing to unpickle it "
+        raise MemfitError(f"{path / TENSORS} holds more than plain data; refusing to unpickle it "
                           f"(weights_only=True): {str(exc).splitlines()[0]}") from None
     return trainer
 
