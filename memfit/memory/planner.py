@@ -19,9 +19,9 @@ from dataclasses import dataclass, field
 
 from memfit.config import RunConfig
 from memfit.errors import MemfitError
-from memfit.memory.analytic import (ModelShape, analytic_estimate, device_total_bytes, model_shape,
-                                    trainable_params, _checkpointed_layers)
+from memfit.memory.analytic import analytic_estimate, device_total_bytes, _checkpointed_layers
 from memfit.memory.estimate import Estimate
+from memfit.memory.model_shape import ModelShape, model_shape, trainable_params
 from memfit.memory.report import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
