@@ -1,12 +1,14 @@
-"""Host RAM while loading a model on 2 ranks: DDP (every rank builds the model) vs zero3
-(rank 0 builds it, the others build on `meta` and receive their shards by broadcast).
+"""Host RAM while loading a model on 2 ranks: DDP (every rank builds the model) vs zero3, tensor
+parallel 2 and pipeline parallel 2 (rank 0 builds it, the others build on `meta` and receive
+their shards or their stage from rank 0: broadcast, scatter, point-to-point sends).
 
     .venv/bin/python bench/distributed_load_ram.py [--layers 8 --hidden 1024]
 
 Each run is `torchrun --nproc-per-node 2 -m memfit train` for one step on a random-init Llama
 written to a temporary folder; every rank records its peak RSS right after the model is
 sharded and loaded (`load_peak_rss_bytes` in distributed_memory.json). Baseline: the same
-ranks' RSS with a 1-layer model of the same width (Python + torch + transformers + data).
+ranks' RSS with a 2-layer model of the same width (Python + torch + transformers + data; 2 layers:
+the fewest a 2-stage pipeline accepts).
 """
 
 from __future__ import annotations
@@ -31,19 +33,35 @@ def llama_config(layers: int, hidden: int) -> dict:
             "pad_token_id": 258, "hidden_act": "silu"}
 
 
-def run(model_dir: Path, out: Path, sharding: str) -> list[dict]:
+ENGINES = {"ddp": ["sharding=ddp"], "zero3": ["sharding=zero3"], "tp2": ["tensor_parallel=2"],
+           "pp2": ["pipeline_parallel=2", "max_grad_norm=null"]}  # pipelines refuse gradient clipping
+
+
+def run(model_dir: Path, out: Path, engine: str) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
                "-m", "memfit", "train", str(ROOT / "memfit/configs/demo.yaml"), f"model={model_dir}",
-               f"output_dir={out}", "overwrite=true", f"sharding={sharding}", "max_steps=1", "micro_batch=1",
+               f"output_dir={out}", "overwrite=true", *ENGINES[engine], "max_steps=1", "micro_batch=1",
                "seq_len=256", "data.limit=8", "save_every=0", "device=cpu", "optimizer=adamw", "precision=fp32", "--no-progress"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if result.returncode:
         sys.exit(result.stderr[-3000:])
     return json.loads((out / "distributed_memory.json").read_text())["ranks"]
+
+
+BASE_LAYERS = 2
+
+
+def parameter_count(layers: int, hidden: int) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(**llama_config(layers, hidden)))
+    return sum(p.numel() for p in model.parameters())
 
 
 def main() -> None:
@@ -52,32 +70,28 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     args = parser.parse_args()
     mib = 2**20
+    base_name, big_name = f"baseline ({BASE_LAYERS} layers)", f"{args.layers} layers"
     with tempfile.TemporaryDirectory() as tmp:
         rows = {}
-        for name, layers in (("baseline (1 layer)", 1), (f"{args.layers} layers", args.layers)):
+        for name, layers in ((base_name, BASE_LAYERS), (big_name, args.layers)):
             model_dir = Path(tmp) / f"model-{layers}"
             model_dir.mkdir()
             (model_dir / "config.json").write_text(json.dumps(llama_config(layers, args.hidden)))
-            for sharding in ("ddp", "zero3"):
-                ranks = run(model_dir, Path(tmp) / f"out-{layers}-{sharding}", sharding)
-                rows[(name, sharding)] = [r["load_peak_rss_bytes"] for r in ranks]
-        import torch  # noqa: F401  (parameter count only)
-        from transformers import AutoModelForCausalLM, LlamaConfig
-
-        with torch.device("meta"):
-            params = sum(p.numel() for p in AutoModelForCausalLM.from_config(
-                LlamaConfig(**llama_config(args.layers, args.hidden))).parameters())
-        print(f"model: {params / 1e6:.1f} M parameters = {params * 4 / mib:.0f} MiB in fp32; 2 ranks, gloo, CPU")
-        print(f"{'run':24s} {'sharding':8s} {'rank 0 RSS':>12s} {'rank 1 RSS':>12s}  (peak RSS after loading, MiB)")
-        for (name, sharding), values in rows.items():
-            print(f"{name:24s} {sharding:8s} " + " ".join(f"{v / mib:12.0f}" for v in values))
-        base = {s: rows[("baseline (1 layer)", s)] for s in ("ddp", "zero3")}
-        big = {s: rows[(f"{args.layers} layers", s)] for s in ("ddp", "zero3")}
-        for rank in (0, 1):
-            ddp_model = big["ddp"][rank] - base["ddp"][rank]
-            zero_model = big["zero3"][rank] - base["zero3"][rank]
-            print(f"rank {rank}: model-dependent RSS, zero3 / ddp = {zero_model / mib:.0f} MiB / "
-                  f"{ddp_model / mib:.0f} MiB = {zero_model / max(ddp_model, 1):.2f}")
+            for engine in ENGINES:
+                ranks = run(model_dir, Path(tmp) / f"out-{layers}-{engine}", engine)
+                rows[(name, engine)] = [r["load_peak_rss_bytes"] for r in ranks]
+    params = parameter_count(args.layers, args.hidden)
+    blocks_bytes = (params - parameter_count(BASE_LAYERS, args.hidden)) * 4  # what the bigger model adds, fp32
+    print(f"model: {params / 1e6:.1f} M parameters = {params * 4 / mib:.0f} MiB in fp32; 2 ranks, gloo, CPU")
+    print(f"{'run':24s} {'engine':8s} {'rank 0 RSS':>12s} {'rank 1 RSS':>12s}  (peak RSS after loading, MiB)")
+    for (name, engine), values in rows.items():
+        print(f"{name:24s} {engine:8s} " + " ".join(f"{v / mib:12.0f}" for v in values))
+    print(f"model-dependent RSS = {big_name} minus the baseline, against the {args.layers - BASE_LAYERS} added blocks' "
+          f"fp32 weights ({blocks_bytes / mib:.0f} MiB):")
+    for rank in (0, 1):
+        delta = {e: rows[(big_name, e)][rank] - rows[(base_name, e)][rank] for e in ENGINES}
+        print(f"rank {rank}: " + ", ".join(f"{e} {d / mib:.0f} MiB ({d / blocks_bytes:.2f}x blocks, "
+                                          f"{d / max(delta['ddp'], 1):.2f}x ddp)" for e, d in delta.items()))
 
 
 if __name__ == "__main__":

@@ -34,8 +34,10 @@ FSDP2 = ("zero2", "zero3")
 
 
 def builds_on_meta(cfg, ctx: DistContext) -> bool:
-    """Ranks that receive their weights by broadcast build the model on `meta` (no bytes)."""
-    return ctx.enabled and ctx.rank != 0 and cfg.sharding in FSDP2
+    """Ranks that receive their weights from rank 0 (FSDP2 broadcast, tensor-parallel scatter,
+    pipeline stage sends) build the model on `meta` (no bytes)."""
+    return ctx.enabled and ctx.rank != 0 and (cfg.sharding in FSDP2 or cfg.tensor_parallel > 1
+                                              or cfg.pipeline_parallel > 1)
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:

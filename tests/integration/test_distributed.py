@@ -47,10 +47,25 @@ ENGINES = {  # name -> overrides; data-parallel engines use micro_batch 1 per ra
 }
 
 WORKER = '''
-import os, sys, torch.distributed as dist
+import json, os, sys, torch.distributed as dist
+import memfit.train.loop as loop
 from memfit.config import load_config
 from memfit.train.loop import train
 
+
+def recording_shard(model, optimizer_factory, cfg, ctx, device, _shard=loop.shard):
+    """What this rank held as built (meta or not) and after sharding (parameter bytes): load-rank<r>.json."""
+    built_on_meta = all(p.is_meta for p in model.parameters())
+    model, optimizer = _shard(model, optimizer_factory, cfg, ctx, device)
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.output_dir, f"load-rank{ctx.rank}.json"), "w") as f:
+        json.dump({"built_on_meta": built_on_meta,
+                   "parameter_bytes": sum(t.numel() * t.element_size() for t in local)}, f)
+    return model, optimizer
+
+
+loop.shard = recording_shard
 dist.init_process_group("gloo")  # one group for every run; train() leaves a group it did not create
 config, out = sys.argv[1], sys.argv[2]
 for line in open(os.path.join(out, "engines.txt")):
@@ -164,6 +179,40 @@ def test_memory_falls_as_the_zero_stage_rises(runs):
     assert peak["zero3_offload"] == pytest.approx(peak["zero3"], rel=ESTIMATE_TOLERANCE), peak
 
 
+def _expected_parameter_bytes(config: Path, name: str, rank: int) -> int:
+    """The bytes of the parameters rank `rank` should hold after sharding, from a `meta` build."""
+    from memfit.distributed.pipeline import stage_blocks
+    from memfit.distributed.tensor_parallel import sharded_fraction
+    from memfit.models.loading import build_model
+
+    model = build_model(load_config(config).model, on_meta=True)
+    named = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head under its own name too
+    size = {key: p.numel() * p.element_size() for key, p in named.items()}
+    if name == "tp2":  # split linears: half each; the rest (tied once) replicated
+        return sum(b // 2 if sharded_fraction(key) else b for key, b in size.items()
+                   if key != "lm_head.weight" or not model.config.tie_word_embeddings)
+    layers = stage_blocks(model.config.num_hidden_layers, 2, rank)
+    keep = [f"model.layers.{i}." for i in layers] + (["model.embed_tokens."] if rank == 0 else
+                                                      ["model.norm.", "lm_head."])  # last stage: its own head copy
+    return sum(b for key, b in size.items() if any(key.startswith(k) for k in keep))
+
+
+@pytest.mark.parametrize("name", ["tp2", "pp2"])
+def test_ranks_but_0_never_build_the_full_model(runs, name):
+    """issue 6: a tensor/pipeline rank other than 0 builds on meta and ends with only its shard or stage."""
+    root, config, *_ = runs
+    loads = [json.loads((root / name / f"load-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [load["built_on_meta"] for load in loads] == [False, True], loads
+    from memfit.models.loading import build_model
+
+    full = sum(p.numel() * p.element_size() for p in build_model(load_config(config).model, on_meta=True).parameters())
+    for rank, load in enumerate(loads):
+        assert load["parameter_bytes"] == _expected_parameter_bytes(config, name, rank), (rank, load)
+        assert load["parameter_bytes"] < 0.6 * full, (rank, load, full)
+    # The check tells the cases apart: DDP builds a full replica on every rank.
+    assert json.loads((root / "ddp" / "load-rank1.json").read_text())["built_on_meta"] is False
+
+
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_planner_estimate_within_5_percent(runs, name):
     from memfit.memory.distributed_estimate import rank_estimate
@@ -175,11 +224,15 @@ def test_planner_estimate_within_5_percent(runs, name):
     assert abs(estimate - measured) <= ESTIMATE_TOLERANCE * measured, (name, estimate, measured)
 
 
-def test_command_line_checkpoints_and_resumes_on_fewer_ranks(runs, tmp_path):
-    """torchrun -m memfit train (zero3, 2 ranks, sharded checkpoints) -> resume on 1 rank."""
+@pytest.mark.parametrize("sharding", ["zero3", "zero1"])
+def test_command_line_checkpoints_and_resumes_on_fewer_ranks(runs, tmp_path, sharding):
+    """torchrun -m memfit train (2 ranks, sharded checkpoints) -> resume on 1 rank.
+
+    zero3: DCP re-shards FSDP2's DTensors; zero1: each rank saved its partition's optimizer
+    states by parameter name, and the single rank finds all of them."""
     root, config, single, _ = runs
     out = tmp_path / "cli"
-    first = _torchrun("-m", "memfit", "train", str(config), f"output_dir={out}", "sharding=zero3",
+    first = _torchrun("-m", "memfit", "train", str(config), f"output_dir={out}", f"sharding={sharding}",
                       "micro_batch=1", f"max_steps={STEPS - 1}", "save_every=1", "--no-progress")
     assert first.returncode == 0, first.stderr[-4000:]
     assert (out / "model.safetensors").exists() and (out / "config.json").exists()
@@ -190,7 +243,7 @@ def test_command_line_checkpoints_and_resumes_on_fewer_ranks(runs, tmp_path):
     # is now 1 sequence, so step 3 differs from the 2-rank run's; the earlier steps are kept.)
     env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     resumed = subprocess.run([sys.executable, "-m", "memfit", "train", str(config), f"output_dir={out}",
-                              "sharding=zero3", "micro_batch=1", f"max_steps={STEPS}", "resume=true", "overwrite=false",
+                              f"sharding={sharding}", "micro_batch=1", f"max_steps={STEPS}", "resume=true", "overwrite=false",
                               "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -198,3 +251,36 @@ def test_command_line_checkpoints_and_resumes_on_fewer_ranks(runs, tmp_path):
     assert len(losses) == STEPS
     assert losses[:STEPS - 1] == pytest.approx(single.losses[:STEPS - 1], rel=LOSS_TOLERANCE)
     assert losses[-1] < losses[0]  # the resumed weights are the trained ones, not a fresh init
+    # The resumed process restored every parameter's optimizer state, whichever rank saved it:
+    # its final checkpoint counts all STEPS updates (a fresh optimizer would count 1).
+    assert set(_saved_optimizer_steps(out).values()) == {STEPS}
+
+
+def _saved_optimizer_steps(out: Path) -> dict[str, int]:
+    """AdamW's per-parameter step count in the last checkpoint (DCP keys `optim_by_name.<name>::step`)."""
+    import torch.distributed.checkpoint as dcp
+
+    path = sorted((out / "checkpoints").glob("sharded-step-*"))[-1] / "state"
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    steps = {key: torch.empty(meta[key].size) for key in meta
+             if key.startswith("optim_by_name.") and key.endswith("::step")}
+    if not steps:  # FSDP2 keeps optimizer state in DCP's own layout
+        steps = {key: torch.empty(meta[key].size) for key in meta if key.startswith("optim.state.") and key.endswith(".step")}
+    assert steps, f"no optimizer step counts in {path}"
+    dcp.load(steps, checkpoint_id=str(path), no_dist=True)
+    return {key: int(value) for key, value in steps.items()}
+
+
+def test_pipeline_checkpoint_resumes(runs, tmp_path):
+    """pp2 saves each stage's weights and optimizer states by name; a run resumed after step 1
+    continues the single-process trajectory (step 3's loss needs step 2's update, which needs the
+    restored Adam moments: a fresh optimizer's first update is a different size)."""
+    root, config, single, _ = runs
+    out = tmp_path / "pp"
+    common = [str(config), f"output_dir={out}", "pipeline_parallel=2", "max_grad_norm=null", "--no-progress"]
+    first = _torchrun("-m", "memfit", "train", *common, "max_steps=1", "save_every=1")
+    assert first.returncode == 0, first.stderr[-4000:]
+    resumed = _torchrun("-m", "memfit", "train", *common, f"max_steps={STEPS}", "resume=true", "overwrite=false")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert _losses(out) == pytest.approx(single.losses, rel=LOSS_TOLERANCE)
+    assert set(_saved_optimizer_steps(out).values()) == {STEPS}
