@@ -34,11 +34,15 @@ class PrecisionPlan:
         (self.scaler.scale(loss) if self.scaler else loss).backward()
 
     def step(self, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter],
-             max_grad_norm: float | None) -> tuple[float, bool]:
-        """Unscale, clip, step. Returns (gradient norm before clipping, whether the step was skipped)."""
+             max_grad_norm: float | None, norm: torch.Tensor | None = None) -> tuple[float, bool]:
+        """Unscale, clip, step. Returns (gradient norm before clipping, whether the step was skipped).
+        `norm`: the global gradient norm when the caller already has it (one pass over the gradients less)."""
         if self.scaler:
             self.scaler.unscale_(optimizer)
-        norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf"))
+        if norm is None:
+            norm = total_grad_norm(params)
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, norm)
         if self.scaler:
             scale = self.scaler.get_scale()
             self.scaler.step(optimizer)  # skips the step when gradients overflowed
@@ -46,6 +50,12 @@ class PrecisionPlan:
             return float(norm), self.scaler.get_scale() < scale
         optimizer.step()
         return float(norm), False
+
+
+def total_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
+    """The global L2 norm of the gradients (0 when there are none)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())
 
 
 def make_precision(name: str, device: torch.device) -> PrecisionPlan:

@@ -13,7 +13,7 @@ import torch
 
 from memfit.data.loader import IGNORE_INDEX
 from memfit.strategies.loss import plain_loss
-from memfit.strategies.precision import PrecisionPlan
+from memfit.strategies.precision import PrecisionPlan, total_grad_norm
 
 
 @dataclass
@@ -85,18 +85,19 @@ def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micr
     tracker.tag_gradients(params)
     # A NaN/inf loss, or (without a loss scaler, which checks for itself) a NaN/inf gradient, would
     # poison the weights and optimizer states for good: drop this step's gradients instead.
-    if not _finite(total) or (precision.scaler is None and not _finite(_grad_norm(params))):
+    finite_loss = _finite(total)
+    norm = total_grad_norm(params) if finite_loss and precision.scaler is None else None
+    if not finite_loss or (norm is not None and not _finite(norm)):
         optimizer.zero_grad(set_to_none=True)
         tokens = count_tokens(micro_batches)
         return StepResult(float(total), float("nan"), True, tokens, nonfinite=True)
     with tracker.phase("optimizer"):
-        grad_norm, skipped = (update or precision.step)(optimizer, params, max_grad_norm)
+        if update is not None:
+            grad_norm, skipped = update(optimizer, params, max_grad_norm)
+        else:  # clipping reuses the norm the check above computed
+            grad_norm, skipped = precision.step(optimizer, params, max_grad_norm, norm)
         optimizer.zero_grad(set_to_none=True)  # frees gradient memory until the next backward
     tracker.tag_optimizer(optimizer)
     tokens = count_tokens(micro_batches)
     return StepResult(float(total), grad_norm, skipped, tokens)
 
-
-def _grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    grads = [p.grad for p in params if p.grad is not None]
-    return torch.nn.utils.get_total_norm(grads) if grads else torch.zeros(())

@@ -41,3 +41,25 @@ def test_accumulation_matches_one_big_batch():
     assert abs(loss_whole - loss_split) < 1e-5
     for whole, split in zip(grads_whole, grads_split):
         torch.testing.assert_close(split, whole, rtol=1e-4, atol=1e-7)
+
+
+def test_clipping_reuses_the_checked_norm(monkeypatch):
+    """The NaN check's global gradient norm is the one clipping uses: one pass over the gradients,
+    and the update sees gradients scaled to max_grad_norm."""
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(name="memfit/tiny-llama"))
+    params = list(model.parameters())
+    seen = {}
+
+    class Capture(torch.optim.SGD):
+        def step(self, closure=None):
+            seen["norm"] = float(torch.stack([p.grad.norm() for p in params]).norm())
+
+    calls = []  # torch computes every global norm (get_total_norm, clip_grad_norm_) with _foreach_norm
+    original = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or original(*a, **k))
+    result = training_step(model, Capture(params, lr=0.0), _batches(4), make_precision("fp32", torch.device("cpu")),
+                           NullTracker(), params, max_grad_norm=0.01)
+    assert len(calls) == 1
+    assert result.grad_norm > 0.01  # reported: the norm before clipping
+    assert abs(seen["norm"] - 0.01) < 1e-4  # applied: clipped to max_grad_norm
