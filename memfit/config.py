@@ -164,6 +164,9 @@ class RunConfig(_Section):
     tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel degree K for Llama-family blocks (DTensor).")
     pipeline_parallel: int = Field(1, ge=1, description="Pipeline stages S (torch.distributed.pipelining, GPipe; "
                                                          "grad_accum micro-batches per step).")
+    deepspeed: str | None = Field(None, description="A DeepSpeed JSON config file (yours, as DeepSpeed reads it): "
+                                                  "the DeepSpeed engine runs the step under torchrun; values memfit "
+                                                  "owns may be \"auto\" (memfit/distributed/deepspeed_engine.py).")
 
     @field_validator("checkpointing")
     @classmethod

@@ -1,6 +1,7 @@
-"""Scale-out on PyTorch's own engines: torchrun, DDP, ZeroRedundancyOptimizer, FSDP2, DTensor
-tensor parallel, torch.distributed.pipelining. No home-made communication layer: every byte
-that crosses ranks goes through torch.distributed's engines or collectives.
+"""Scale-out on existing engines: torchrun, DDP, ZeroRedundancyOptimizer, FSDP2, DTensor tensor
+parallel, torch.distributed.pipelining, and DeepSpeed from the user's JSON. No home-made
+communication layer: every byte that crosses ranks goes through those engines or torch.distributed's
+collectives.
 
   launch.py           process group from torchrun's environment; clean teardown
   validate.py         refuse impossible combinations before any process does work
@@ -8,4 +9,5 @@ that crosses ranks goes through torch.distributed's engines or collectives.
   tensor_parallel.py  Llama-family blocks through parallelize_module
   pipeline.py         stages and the GPipe schedule
   checkpoint.py       torch.distributed.checkpoint save/reload, full state dict on rank 0
+  deepspeed_engine.py deepspeed.initialize from the user's JSON ("auto" values filled), driven by the one loop
 """

@@ -55,6 +55,10 @@ def config_problems(cfg) -> list[str]:
     if pp > 1 and cfg.max_grad_norm is not None:
         problems.append("pipeline_parallel > 1 needs max_grad_norm: null (gradient clipping across pipeline "
                         "stages is not implemented)")
+    if getattr(cfg, "deepspeed", None):  # the JSON file and what DeepSpeed takes over from memfit's fields
+        from memfit.distributed.deepspeed_engine import deepspeed_problems
+
+        problems += deepspeed_problems(cfg)
     return problems
 
 
@@ -68,7 +72,7 @@ def launch_problems(cfg, world_size: int, model_config=None) -> list[str]:
     if pp > 1 and world_size != pp:
         problems.append(f"pipeline_parallel: {pp} needs exactly {pp} processes (torchrun --nproc-per-node {pp}); "
                         f"got {world_size}")
-    if world_size > 1 and cfg.sharding == "none" and tp == 1 and pp == 1:
+    if world_size > 1 and cfg.sharding == "none" and tp == 1 and pp == 1 and not getattr(cfg, "deepspeed", None):
         problems.append(f"{world_size} processes were started but sharding is none: set sharding: ddp "
                         "(or zero1/zero2/zero3), or start one process")
     if model_config is None:

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from memfit.config import RunConfig
 from memfit.data.loader import build_batch_stream
-from memfit.distributed import launch
+from memfit.distributed import deepspeed_engine, launch
 from memfit.distributed.checkpoint import checkpoint_functions, unwrap, write_rank_memory
 from memfit.distributed.sharding import builds_on_meta, initial_device, shard
 from memfit.errors import MemfitError
@@ -125,15 +125,19 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
     model.config.use_cache = False  # no KV cache in training; a cache also turns off packed masks (data/packing.py)
     model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg,
                          initial_device(cfg, dist, device))  # moves, then quantizes
-    model, optimizer = shard(model, lambda params: build_optimizer(  # unchanged for one process
+    wrap = deepspeed_engine.initialize if cfg.deepspeed else shard  # deepspeed: the engine from the user's JSON
+    model, optimizer = wrap(model, lambda params: build_optimizer(  # unchanged for one process
         cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device), cfg, dist, device)
+    precision = deepspeed_engine.engine_precision(model, precision)  # engine.backward/step; else unchanged
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    scheduler = make_scheduler(optimizer, cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
+    scheduler = make_scheduler(deepspeed_engine.torch_optimizer(optimizer), cfg.lr_schedule, cfg.warmup_steps,
+                               cfg.max_steps)
     out = launch.on_main_first(dist, prepare_output_dir, cfg)  # rank 0 prepares the folder, the others wait
     load_rss_bytes = launch.peak_rss_bytes()  # the model-loading high-water mark (docs/distributed.md)
     # D's atomic checkpoint files for one process; torch.distributed.checkpoint when sharded.
-    save, resume, save_weights = checkpoint_functions(dist, save_checkpoint, resume_state, save_model)
+    save, resume, save_weights = (deepspeed_engine.checkpoint_functions(dist) if cfg.deepspeed else
+                                  checkpoint_functions(dist, save_checkpoint, resume_state, save_model))
     state = resume(cfg.resume, out, model, optimizer, scheduler, precision.scaler, stream)
     tracker = make_tracker(cfg)  # a MemoryBudget (OOM above memory_budget) when set
     strategies = step_strategies(cfg, device, optimizer, params)  # chunked loss, offload, optimizer in backward
@@ -193,7 +197,8 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
                                       "continue with resume=true", stop.signum)
 
     report = measured_report(tracker, device)
-    if cfg.track_memory and not dist.enabled:  # the plan's numbers beside the measurement (memory/trace.py)
+    deepspeed_engine.note_memory(report, model)  # what the tracker cannot see inside DeepSpeed; else nothing
+    if cfg.track_memory and not dist.enabled and not cfg.deepspeed:  # the plan beside the measurement (trace.py)
         from memfit.memory.trace import add_traced_estimate
 
         add_traced_estimate(report, cfg, device)

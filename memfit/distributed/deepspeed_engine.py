@@ -1,0 +1,422 @@
+"""DeepSpeed from the user's own JSON config (`deepspeed: ds_config.json`).
+
+For people who already run DeepSpeed: their JSON goes to `deepspeed.initialize` as written, and
+memfit's one training loop drives the engine it returns. Nothing here talks between ranks
+itself; DeepSpeed (ZeRO 1/2/3, offload, its loss scaler) does all of that.
+
+Values memfit owns (the loop, the data and the schedule depend on them) come from the RunConfig
+when the JSON writes them as "auto" or leaves them out, as in Hugging Face's integration:
+
+  train_micro_batch_size_per_gpu   micro_batch
+  gradient_accumulation_steps      grad_accum
+  train_batch_size                 micro_batch x grad_accum x ranks
+  gradient_clipping                max_grad_norm (null -> 0, DeepSpeed's "off")
+  bf16.enabled / fp16.enabled      precision (bf16-mixed / fp16-mixed; fp32: both off)
+  optimizer.params.lr, .weight_decay   lr, weight_decay (when the JSON has an optimizer block)
+
+A number there that contradicts the RunConfig is an error naming both. "auto" is also filled,
+from the model's hidden size as Hugging Face does, for zero_optimization.reduce_bucket_size,
+stage3_prefetch_bucket_size and stage3_param_persistence_threshold; anywhere else it is refused.
+Without an "optimizer" block memfit's own optimizer (`optimizer:`) is handed to DeepSpeed.
+The learning rate follows memfit's lr_schedule, so a "scheduler" block is refused. LoRA runs on
+ZeRO 0-2 (ZeRO-3 would partition the frozen base that rank 0 writes beside the adapter).
+
+How the loop drives the engine (see `EnginePrecision`): memfit's step already divides every
+micro-batch's loss by the step's target tokens, so `engine.backward(loss, scale_wrt_gas=False)`;
+DeepSpeed counts gradient accumulation itself, so `engine.step()` runs after every micro-batch
+and updates the weights at the last one (its accumulation boundary).
+
+Checkpoints: `<output_dir>/checkpoints/deepspeed-step-00000042/` holds DeepSpeed's own
+`save_checkpoint` folder (`state/`, every rank writes its ZeRO shards), trainer.json (step,
+data position, losses), scheduler.pt and rng-rank<r>.pt. Written under a `.tmp-` name and
+renamed once every rank is done. Final model: rank 0 writes ordinary safetensors; ZeRO-3
+gathers one layer at a time onto rank 0 first. The weights are the engine's module weights
+(bf16 when bf16 is enabled, like DeepSpeed's own save_16bit_model).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import re
+import shutil
+from contextlib import nullcontext
+from pathlib import Path
+
+import torch
+
+from memfit.errors import MemfitError, require
+
+log = logging.getLogger(__name__)
+AUTO = "auto"
+PREFIX = "deepspeed-step-"
+_NAME = re.compile(rf"^{PREFIX}(\d{{8,}})$")
+# "auto" values Hugging Face fills from the model's hidden size h (transformers.integrations.deepspeed).
+_HIDDEN_SIZE_AUTO = {("zero_optimization", "reduce_bucket_size"): lambda h: h * h,
+                     ("zero_optimization", "stage3_prefetch_bucket_size"): lambda h: int(0.9 * h * h),
+                     ("zero_optimization", "stage3_param_persistence_threshold"): lambda h: 10 * h}
+# Client optimizers DeepSpeed's ZeRO can flatten and partition (plain torch.optim states).
+CLIENT_OPTIMIZERS = ("adamw", "sgd")
+
+
+# ------------------------------------------------------------------ reading and checking the JSON
+
+def read_json(path: str) -> tuple[dict | None, list[str]]:
+    """(the JSON object, problems); problems say which file and where."""
+    file = Path(path)
+    if not file.is_file():
+        return None, [f"deepspeed: file not found: {path} (relative paths are from the current directory)"]
+    try:
+        value = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        return None, [f"deepspeed: {path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"]
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, [f"deepspeed: cannot read {path}: {exc}"]
+    if not isinstance(value, dict):
+        return None, [f"deepspeed: {path} must hold a JSON object ({{...}}), not {type(value).__name__}"]
+    return value, []
+
+
+def _owned(cfg, ds: dict) -> dict[tuple[str, ...], tuple[object, str]]:
+    """JSON path -> (the value the RunConfig gives it, which RunConfig setting that is)."""
+    owned = {("train_micro_batch_size_per_gpu",): (cfg.micro_batch, f"micro_batch: {cfg.micro_batch}"),
+             ("gradient_accumulation_steps",): (cfg.grad_accum, f"grad_accum: {cfg.grad_accum}"),
+             ("gradient_clipping",): (cfg.max_grad_norm or 0.0, f"max_grad_norm: {cfg.max_grad_norm}"),
+             ("bf16", "enabled"): (cfg.precision == "bf16-mixed", f"precision: {cfg.precision}"),
+             ("fp16", "enabled"): (cfg.precision == "fp16-mixed", f"precision: {cfg.precision}")}
+    if isinstance(ds.get("optimizer"), dict):
+        owned[("optimizer", "params", "lr")] = (cfg.lr, f"lr: {cfg.lr}")
+        owned[("optimizer", "params", "weight_decay")] = (cfg.weight_decay, f"weight_decay: {cfg.weight_decay}")
+    return owned
+
+
+def _get(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _same(json_value, memfit_value) -> bool:
+    if isinstance(memfit_value, bool) or isinstance(json_value, bool):
+        return json_value is memfit_value
+    if isinstance(json_value, (int, float)) and isinstance(memfit_value, (int, float)):
+        return math.isclose(json_value, memfit_value, rel_tol=1e-9, abs_tol=0.0)
+    return False
+
+
+def _auto_paths(tree, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if isinstance(tree, dict):
+        return [p for key, value in tree.items() for p in _auto_paths(value, (*prefix, str(key)))]
+    return [prefix] if tree == AUTO else []
+
+
+def _conflicting_fields(cfg) -> list[str]:
+    """RunConfig settings DeepSpeed takes over or cannot run with: field, why, what to do."""
+    problems = []
+    if cfg.sharding != "none":
+        problems.append(f"sharding: {cfg.sharding} with deepspeed: DeepSpeed shards by its own "
+                        "zero_optimization.stage; set sharding: none")
+    if cfg.offload != "none":
+        problems.append(f"offload: {cfg.offload} with deepspeed: use zero_optimization.offload_optimizer / "
+                        "offload_param in the DeepSpeed JSON; set offload: none")
+    for name in ("tensor_parallel", "pipeline_parallel"):
+        if getattr(cfg, name) > 1:
+            problems.append(f"{name}: {getattr(cfg, name)} with deepspeed is not supported: set {name}: 1")
+    if cfg.optimizer_in_backward:
+        problems.append("optimizer_in_backward: true with deepspeed: the DeepSpeed engine owns the optimizer step; "
+                        "set optimizer_in_backward: false")
+    if cfg.activation_offload:
+        problems.append("activation_offload: true with deepspeed is not supported: set activation_offload: false "
+                        "(checkpointing: full saves activation memory instead)")
+    if cfg.chunked_loss:
+        problems.append("chunked_loss: true with deepspeed is not supported (it calls the decoder and lm_head "
+                        "around the engine): set chunked_loss: false")
+    if cfg.micro_batch == "auto" or cfg.budget is not None or cfg.memory_budget is not None:
+        which = ("micro_batch: auto" if cfg.micro_batch == "auto" else
+                 f"budget: {cfg.budget}" if cfg.budget is not None else f"memory_budget: {cfg.memory_budget}")
+        problems.append(f"{which} with deepspeed: the planner and out-of-memory recovery do not model the DeepSpeed "
+                        "engine; give micro_batch as a number and leave budget / memory_budget null")
+    if cfg.method == "qlora" or cfg.quant != "none":
+        problems.append(f"method: {cfg.method} with quant: {cfg.quant} and deepspeed is not supported: quantized "
+                        "base weights cannot be flattened into ZeRO partitions; use method: lora or full")
+    if cfg.precision == "bf16-pure":
+        problems.append("precision: bf16-pure with deepspeed: DeepSpeed's bf16 mode keeps fp32 master weights; "
+                        "use precision: bf16-mixed (bf16 weights, fp32 optimizer copy)")
+    return problems
+
+
+def deepspeed_problems(cfg) -> list[str]:
+    """Everything wrong with `deepspeed:` and its JSON for this RunConfig, all at once (load time)."""
+    if not cfg.deepspeed:
+        return []
+    problems = _conflicting_fields(cfg)
+    ds, unreadable = read_json(cfg.deepspeed)
+    if ds is None:
+        return problems + unreadable
+    where = f"deepspeed: {cfg.deepspeed}:"
+    owned = _owned(cfg, ds)
+    for path, (value, setting) in owned.items():
+        found = _get(ds, path)
+        if found is not None and found != AUTO and not _same(found, value):
+            problems.append(f"{where} {'.'.join(path)} is {json.dumps(found)} but the run config has {setting}; "
+                            f'make them agree or write "auto" in the JSON')
+    allowed_auto = set(owned) | set(_HIDDEN_SIZE_AUTO) | {("train_batch_size",)}
+    for path in _auto_paths(ds):
+        if path not in allowed_auto:
+            problems.append(f'{where} {".".join(path)} is "auto", which memfit cannot fill; write a value '
+                            "(memfit fills: " + ", ".join(".".join(p) for p in sorted(allowed_auto)) + ")")
+    if "scheduler" in ds:
+        problems.append(f"{where} has a scheduler block, but memfit's lr_schedule / warmup_steps drive the learning "
+                        "rate; remove the scheduler block")
+    if cfg.method == "lora" and _get(ds, ("zero_optimization", "stage")) == 3:
+        problems.append(f"{where} zero_optimization.stage 3 with method: lora is not supported: rank 0 writes the "
+                        "frozen base next to the adapter, which ZeRO-3 has partitioned; use stage 1 or 2 for LoRA")
+    has_optimizer = isinstance(ds.get("optimizer"), dict)
+    if has_optimizer and cfg.optimizer != "adamw":
+        problems.append(f"{where} has an optimizer block and optimizer: {cfg.optimizer} is set too; remove one "
+                        "(the JSON's optimizer is used when present)")
+    if not has_optimizer and cfg.optimizer not in CLIENT_OPTIMIZERS:
+        problems.append(f"optimizer: {cfg.optimizer} with deepspeed: ZeRO partitions plain torch optimizers only "
+                        f"({', '.join(CLIENT_OPTIMIZERS)}); choose one, or put an optimizer block in {cfg.deepspeed}")
+    return problems
+
+
+def resolved_config(cfg, world_size: int, hidden_size: int | None = None) -> dict:
+    """The user's JSON with every value memfit owns filled in (launch time: ranks and model known)."""
+    ds, problems = read_json(cfg.deepspeed)
+    if ds is None:
+        raise MemfitError(problems[0])
+    for path, (value, _) in _owned(cfg, ds).items():
+        if _get(ds, path) in (None, AUTO) and not (path[-1] == "enabled" and value is False and path[0] not in ds):
+            _set(ds, path, value)
+    train_batch = cfg.micro_batch * cfg.grad_accum * world_size
+    given = ds.get("train_batch_size")
+    if given not in (None, AUTO) and given != train_batch:
+        raise MemfitError(f"deepspeed: {cfg.deepspeed}: train_batch_size is {given} but micro_batch {cfg.micro_batch} "
+                          f"x grad_accum {cfg.grad_accum} x {world_size} ranks = {train_batch}; "
+                          'make them agree or write "auto"')
+    ds["train_batch_size"] = train_batch
+    for path, rule in _HIDDEN_SIZE_AUTO.items():
+        if _get(ds, path) == AUTO:
+            if hidden_size is None:
+                raise MemfitError(f'deepspeed: {cfg.deepspeed}: {".".join(path)} is "auto" but the model has no '
+                                  "hidden_size to fill it from; write a number")
+            _set(ds, path, rule(hidden_size))
+    return ds
+
+
+# ------------------------------------------------------------------ the engine
+
+def initialize(model: torch.nn.Module, optimizer_factory, cfg, ctx, device: torch.device):
+    """`engine, optimizer = initialize(...)`: the same signature as sharding.shard.
+
+    `ctx` is memfit's DistContext (unused: DeepSpeed reads the process group itself)."""
+    if cfg.precision == "fp16-mixed" and device.type != "cuda":  # DeepSpeed: "Type fp16 is not supported"
+        raise MemfitError("precision: fp16-mixed with deepspeed needs CUDA (DeepSpeed's CPU accelerator has no "
+                          "fp16): use precision: bf16-mixed or fp32 on the CPU")
+    deepspeed = require("deepspeed", "deepspeed: (training from a DeepSpeed JSON config)")
+    import torch.distributed as dist
+
+    if not dist.is_initialized():  # one process without torchrun: DeepSpeed still wants a process group
+        for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"),
+                           ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(key, value)
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+        import atexit
+
+        atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
+    config = resolved_config(cfg, dist.get_world_size(), getattr(getattr(model, "config", None), "hidden_size", None))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = None if "optimizer" in config else optimizer_factory(params)
+    engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
+                                                      config=config)
+    return engine, ds_optimizer
+
+
+def is_engine(model) -> bool:
+    import sys
+
+    deepspeed = sys.modules.get("deepspeed")  # never imported unless a run asked for it
+    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
+
+
+class EngineChecksItself:
+    """Stands where memfit's GradScaler would, telling training_step not to judge the gradients itself:
+    under DeepSpeed they are mostly in its own partitions, not in `.grad` (DeepSpeed skips fp16
+    overflow steps on its own). A non-finite loss stops the run in `EnginePrecision.backward`."""
+
+
+class EnginePrecision:
+    """Stands in for memfit's PrecisionPlan (strategies/precision.py) when DeepSpeed runs the step:
+    DeepSpeed casts the model and scales fp16 losses itself, so no autocast and no GradScaler here."""
+
+    scaler = EngineChecksItself()
+
+    def __init__(self, engine, plan):
+        self.engine, self.name, self.device_type = engine, plan.name, plan.device_type
+        self.weight_dtype, self.autocast_dtype = plan.weight_dtype, None
+
+    def autocast(self):
+        return nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        # memfit drops a step with a NaN/inf loss by not stepping; DeepSpeed has no way to drop the
+        # gradients it has accumulated and keep its micro-step count, so stop cleanly instead.
+        if not bool(torch.isfinite(loss.detach()).all()):
+            raise MemfitError(f"loss is {float(loss)} under DeepSpeed, which cannot drop a step's gradients: "
+                              "stopped. Lower lr or check the data, then resume=true from the last checkpoint")
+        # memfit's loss is already divided by the step's target tokens: no second 1/grad_accum.
+        self.engine.backward(loss, scale_wrt_gas=False)
+        if not self.engine.is_gradient_accumulation_boundary():
+            self.engine.step()  # between micro-batches DeepSpeed only counts it
+
+    def step(self, optimizer, params, max_grad_norm, norm=None) -> tuple[float, bool]:
+        """The boundary step: DeepSpeed reduces, clips (gradient_clipping) and updates."""
+        skipped_before = self.engine.skipped_steps
+        self.engine.step()
+        norm = self.engine.get_global_grad_norm()
+        norm = float(norm) if norm is not None else float("nan")
+        return norm, self.engine.skipped_steps > skipped_before  # fp16: DeepSpeed skipped an overflow
+
+
+def engine_precision(model, plan):
+    """The precision plan the step uses: DeepSpeed's backward/step for an engine, else `plan` unchanged."""
+    return EnginePrecision(model, plan) if is_engine(model) else plan
+
+
+TRACKER_NOTE = ("DeepSpeed run: the tracker's categories are not this rank's memory. It sees the module's "
+                "parameters and the storages created during the steps, not DeepSpeed's fp32 master partition "
+                "(made at initialize) nor ZeRO-3's partitioned weights; DeepSpeed's gradient partitions and "
+                "communication buckets (reduce_bucket_size elements) count as temporaries. Use the process "
+                "peak RSS (CPU) or CUDA max allocated (GPU) for this rank's total.")
+
+
+def note_memory(report, model) -> None:
+    """Say, in the run's memory report, what the tracker cannot see inside a DeepSpeed engine."""
+    if is_engine(model):
+        report.notes.append(TRACKER_NOTE)
+
+
+def torch_optimizer(optimizer):
+    """The torch optimizer whose param_groups' lr DeepSpeed reads (what an LR scheduler drives);
+    any optimizer that is not one of DeepSpeed's wrappers is returned unchanged."""
+    if isinstance(optimizer, torch.optim.Optimizer) or not type(optimizer).__module__.startswith("deepspeed"):
+        return optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else optimizer
+
+
+# ------------------------------------------------------------------ checkpoints and the final model
+
+def deepspeed_checkpoints(root: Path) -> list[Path]:
+    found = [p for p in Path(root).glob(f"{PREFIX}*") if _NAME.match(p.name) and (p / "trainer.json").exists()]
+    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+
+
+def save_deepspeed(out: Path, state, engine, scheduler, keep: int = 2) -> Path:
+    """Collective: every rank calls this with the same step. Returns the checkpoint folder."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    root = Path(out) / "checkpoints"
+    final, tmp = root / f"{PREFIX}{state.step:08d}", root / f".tmp-{PREFIX}{state.step:08d}"
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    engine.save_checkpoint(str(tmp), tag="state", client_state={}, save_latest=False)
+    torch.save({"torch_cpu": torch.get_rng_state()}, tmp / f"rng-rank{rank}.pt")
+    if rank == 0:
+        trainer = {"step": state.step, "data": state.data, "losses": list(state.losses),
+                   "nonfinite_total": state.nonfinite_total, "world_size": dist.get_world_size()}
+        (tmp / "trainer.json").write_text(json.dumps(trainer))
+        torch.save(scheduler.state_dict() if scheduler is not None else {}, tmp / "scheduler.pt")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        for old in deepspeed_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_deepspeed(path: Path, engine, scheduler) -> dict:
+    """Collective: DeepSpeed restores weights, optimizer shards and its counters; returns trainer.json."""
+    import torch.distributed as dist
+
+    path = Path(path)
+    trainer = json.loads((path / "trainer.json").read_text())
+    loaded, _ = engine.load_checkpoint(str(path), tag="state", load_optimizer_states=True,
+                                       load_lr_scheduler_states=False)
+    if loaded is None:
+        raise MemfitError(f"resume=true: DeepSpeed could not load the checkpoint in {path / 'state'}")
+    if scheduler is not None and (path / "scheduler.pt").exists():
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    rng = path / f"rng-rank{dist.get_rank()}.pt"
+    if rng.exists():
+        torch.set_rng_state(torch.load(rng, weights_only=True)["torch_cpu"])
+    return trainer
+
+
+def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """Collective: the whole model's weights on rank 0's CPU; None on other ranks."""
+    import torch.distributed as dist
+
+    if engine.zero_optimization_partition_weights():  # ZeRO-3: gathered one layer at a time onto rank 0
+        # Private, but it is what Hugging Face Accelerate calls for the same job.
+        return engine._zero3_consolidated_16bit_state_dict()
+    if dist.get_rank() != 0:  # ZeRO 0-2: every rank holds the full module weights
+        return None
+    return {k: v.detach().cpu() for k, v in engine.module.state_dict().items()}
+
+
+def save_final(engine, tokenizer, out: Path) -> None:
+    """Every rank calls this; rank 0 writes safetensors and the tokenizer."""
+    state = full_state_dict(engine)
+    if state is None:
+        return
+    hf_model = engine.module
+    if getattr(hf_model.config, "tie_word_embeddings", False):  # gathered copies hide the tie from HF
+        tied = getattr(hf_model, "_tied_weights_keys", None) or {}
+        for key in (tied if isinstance(tied, dict) else []):
+            if tied[key] in state:
+                state.pop(key, None)
+    hf_model.save_pretrained(out, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def checkpoint_functions(ctx):
+    """(save, resume, save_final) for the loop, with the arguments memfit.train.checkpoint's take."""
+    from memfit.train.checkpoint import TrainerState
+
+    def save(out, state, model, optimizer, scheduler=None, scaler=None, keep=2):
+        return save_deepspeed(out, state, model, scheduler, keep)
+
+    def resume(resume, out, model, optimizer, scheduler, scaler, stream):
+        import torch.distributed as dist
+
+        found = deepspeed_checkpoints(Path(out) / "checkpoints") if resume else []
+        if not found:
+            if resume:
+                log.warning("resume=true: no DeepSpeed checkpoint in %s; starting from step 0",
+                            Path(out) / "checkpoints")
+            return TrainerState(data=stream.state_dict())
+        trainer = load_deepspeed(found[-1], model, scheduler)
+        if trainer.get("world_size", dist.get_world_size()) != dist.get_world_size():
+            log.warning("resuming a %d-rank DeepSpeed checkpoint on %d ranks (DeepSpeed re-partitions what it can)",
+                        trainer["world_size"], dist.get_world_size())
+        stream.load_state_dict(trainer["data"])
+        return TrainerState(trainer["step"], trainer["data"], trainer["losses"], trainer["nonfinite_total"])
+
+    return save, resume, lambda model, tokenizer, out: save_final(model, tokenizer, out)
