@@ -23,6 +23,13 @@ def _quiet_libraries() -> None:
     warnings.filterwarnings("ignore", message=".*Enum subclass.*")
     for name in ("torchao", "torch.utils._pytree", "bitsandbytes"):
         logging.getLogger(name).setLevel(logging.ERROR)
+    # transformers imports DeepSpeed (when installed) to save a model, and DeepSpeed then warns that it
+    # found no GPU; it configures its "DeepSpeed" logger itself, but keeps a filter added beforehand.
+    logging.getLogger("DeepSpeed").addFilter(_not_the_cpu_accelerator_warning)  # once: the same object
+
+
+def _not_the_cpu_accelerator_warning(record: logging.LogRecord) -> bool:
+    return "Setting accelerator to CPU" not in record.getMessage()
 
 
 def cmd_train(args) -> int:
