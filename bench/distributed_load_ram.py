@@ -1,6 +1,11 @@
 """Host RAM while loading a model on 2 ranks: DDP (every rank builds the model) vs zero3, tensor
-parallel 2 and pipeline parallel 2 (rank 0 builds it, the others build on `meta` and receive
-their shards or their stage from rank 0: broadcast, scatter, point-to-point sends).
+parallel 2, pipeline parallel 2 and DeepSpeed ZeRO-3 (rank 0 builds it, the others build on `meta`
+and receive their shards or their stage from rank 0: broadcast, scatter, point-to-point sends,
+DeepSpeed's own ZeRO conversion). `ds_zero3_full` is DeepSpeed ZeRO-3 as it loaded before issue 6
+(every rank builds the full model, deepspeed.initialize partitions it), for the side-by-side ratio.
+For both DeepSpeed rows each rank also records its peak RSS on entering `deepspeed.initialize`:
+the model built (and, ds_zero3, already partitioned) but none of DeepSpeed's optimizer partitions,
+which it allocates eagerly there (fp32 master copy, gradient partition, Adam states).
 
     .venv/bin/python bench/distributed_load_ram.py [--layers 8 --hidden 1024]
 
@@ -33,8 +38,31 @@ def llama_config(layers: int, hidden: int) -> dict:
             "pad_token_id": 258, "hidden_act": "silu"}
 
 
+# DeepSpeed ZeRO-3 with memfit's AdamW; "auto" thresholds partition every matrix of the model.
+DS_ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+            "gradient_clipping": "auto", "zero_optimization": {
+                "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
+                "stage3_param_persistence_threshold": "auto"}}
 ENGINES = {"ddp": ["sharding=ddp"], "zero3": ["sharding=zero3"], "tp2": ["tensor_parallel=2"],
-           "pp2": ["pipeline_parallel=2", "max_grad_norm=null"]}  # pipelines refuse gradient clipping
+           "pp2": ["pipeline_parallel=2", "max_grad_norm=null"],  # pipelines refuse gradient clipping
+           "ds_zero3": ["deepspeed={ds_json}"], "ds_zero3_full": ["deepspeed={ds_json}"]}
+# memfit's CLI recording each rank's peak RSS as deepspeed.initialize starts (build-rss-rank<r>.json);
+# ds_zero3_full: with DeepSpeed's load-from-rank-0 switched off (the pre-issue-6 loading).
+DS_SCRIPT = """import json, os, runpy, sys
+import deepspeed
+import memfit.distributed.deepspeed_engine as deepspeed_engine
+from memfit.distributed.launch import peak_rss_bytes
+if {full}:
+    deepspeed_engine.loads_from_rank0 = lambda cfg, ctx: False
+_initialize = deepspeed.initialize
+def recording_initialize(*args, **kwargs):
+    with open(os.path.join({out!r}, "build-rss-rank" + os.environ["RANK"] + ".json"), "w") as f:
+        json.dump({{"peak_rss_bytes": peak_rss_bytes()}}, f)
+    return _initialize(*args, **kwargs)
+deepspeed.initialize = recording_initialize
+sys.argv[0] = "memfit"
+runpy.run_module("memfit", run_name="__main__")
+"""
 
 
 def run(model_dir: Path, out: Path, engine: str) -> list[dict]:
@@ -42,14 +70,26 @@ def run(model_dir: Path, out: Path, engine: str) -> list[dict]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed on the CPU even where a GPU exists
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # for the script
+    ds_json, script = out.parent / "ds_zero3.json", out.parent / f"{out.name}.py"
+    ds_json.write_text(json.dumps(DS_ZERO3))
+    out.mkdir(parents=True, exist_ok=True)
+    script.write_text(DS_SCRIPT.format(full=engine == "ds_zero3_full", out=str(out)))
+    entry = [str(script)] if engine.startswith("ds_") else ["-m", "memfit"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-               "-m", "memfit", "train", str(ROOT / "memfit/configs/demo.yaml"), f"model={model_dir}",
-               f"output_dir={out}", "overwrite=true", *ENGINES[engine], "max_steps=1", "micro_batch=1",
+               *entry, "train", str(ROOT / "memfit/configs/demo.yaml"), f"model={model_dir}",
+               f"output_dir={out}", "overwrite=true", *(o.format(ds_json=ds_json) for o in ENGINES[engine]),
+               "max_steps=1", "micro_batch=1",
                "seq_len=256", "data.limit=8", "save_every=0", "device=cpu", "optimizer=adamw", "precision=fp32", "--no-progress"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if result.returncode:
         sys.exit(result.stderr[-3000:])
-    return json.loads((out / "distributed_memory.json").read_text())["ranks"]
+    ranks = json.loads((out / "distributed_memory.json").read_text())["ranks"]
+    for rank, record in enumerate(ranks):
+        build = out / f"build-rss-rank{rank}.json"
+        record["build_peak_rss_bytes"] = json.loads(build.read_text())["peak_rss_bytes"] if build.exists() else None
+    return ranks
 
 
 BASE_LAYERS = 2
@@ -80,6 +120,9 @@ def main() -> None:
             for engine in ENGINES:
                 ranks = run(model_dir, Path(tmp) / f"out-{layers}-{engine}", engine)
                 rows[(name, engine)] = [r["load_peak_rss_bytes"] for r in ranks]
+                if engine.startswith("ds_"):
+                    rows[(name, engine + " (before deepspeed.initialize)")] = [r["build_peak_rss_bytes"]
+                                                                               for r in ranks]
     params = parameter_count(args.layers, args.hidden)
     blocks_bytes = (params - parameter_count(BASE_LAYERS, args.hidden)) * 4  # what the bigger model adds, fp32
     print(f"model: {params / 1e6:.1f} M parameters = {params * 4 / mib:.0f} MiB in fp32; 2 ranks, gloo, CPU")
@@ -89,7 +132,7 @@ def main() -> None:
     print(f"model-dependent RSS = {big_name} minus the baseline, against the {args.layers - BASE_LAYERS} added blocks' "
           f"fp32 weights ({blocks_bytes / mib:.0f} MiB):")
     for rank in (0, 1):
-        delta = {e: rows[(big_name, e)][rank] - rows[(base_name, e)][rank] for e in ENGINES}
+        delta = {e: rows[(big_name, e)][rank] - rows[(base_name, e)][rank] for n, e in rows if n == big_name}
         print(f"rank {rank}: " + ", ".join(f"{e} {d / mib:.0f} MiB ({d / blocks_bytes:.2f}x blocks, "
                                           f"{d / max(delta['ddp'], 1):.2f}x ddp)" for e, d in delta.items()))
 

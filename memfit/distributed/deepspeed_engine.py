@@ -26,6 +26,14 @@ micro-batch's loss by the step's target tokens, so `engine.backward(loss, scale_
 DeepSpeed counts gradient accumulation itself, so `engine.step()` runs after every micro-batch
 and updates the weights at the last one (its accumulation boundary).
 
+Loading under ZeRO-3 on several ranks (`partition_from_rank0`): rank 0 builds or loads the model
+exactly as one process would (same seed, same random init, same files); the other ranks build
+it on `meta` (no bytes). Then, one module at a time, every rank gives that module's parameters
+storage, DeepSpeed's ZeRO conversion broadcasts rank 0's values and keeps 1/N of each, and the
+full tensors are freed. So no rank but 0 ever holds the full model, and rank 0 only while
+loading. (`deepspeed.zero.Init` around transformers' own build was tried first: its random init
+differs from a single process's for the same seed, so runs would not be comparable.)
+
 Checkpoints: `<output_dir>/checkpoints/deepspeed-step-00000042/` holds DeepSpeed's own
 `save_checkpoint` folder (`state/`, every rank writes its ZeRO shards), trainer.json (step,
 data position, losses), scheduler.pt and rng-rank<r>.pt. Written under a `.tmp-` name and
@@ -220,7 +228,8 @@ def resolved_config(cfg, world_size: int, hidden_size: int | None = None) -> dic
 def initialize(model: torch.nn.Module, optimizer_factory, cfg, ctx, device: torch.device):
     """`engine, optimizer = initialize(...)`: the same signature as sharding.shard.
 
-    `ctx` is memfit's DistContext (unused: DeepSpeed reads the process group itself)."""
+    `ctx` is memfit's DistContext (DeepSpeed reads the process group itself; memfit only asks it
+    whether ZeRO-3 ranks receive their partitions from rank 0)."""
     if cfg.precision == "fp16-mixed" and device.type != "cuda":  # DeepSpeed: "Type fp16 is not supported"
         raise MemfitError("precision: fp16-mixed with deepspeed needs CUDA (DeepSpeed's CPU accelerator has no "
                           "fp16): use precision: bf16-mixed or fp32 on the CPU")
@@ -236,11 +245,98 @@ def initialize(model: torch.nn.Module, optimizer_factory, cfg, ctx, device: torc
 
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     config = resolved_config(cfg, dist.get_world_size(), getattr(getattr(model, "config", None), "hidden_size", None))
+    if loads_from_rank0(cfg, ctx):
+        partition_from_rank0(model, config, device)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = None if "optimizer" in config else optimizer_factory(params)
     engine, ds_optimizer, _, _ = deepspeed.initialize(model=model, model_parameters=params, optimizer=optimizer,
                                                       config=config)
     return engine, ds_optimizer
+
+
+def zero_stage(cfg) -> int | None:
+    """zero_optimization.stage in the run's DeepSpeed JSON (None: no deepspeed, unreadable or not set)."""
+    if not cfg.deepspeed:
+        return None
+    ds, _ = read_json(cfg.deepspeed)
+    stage = _get(ds, ("zero_optimization", "stage")) if ds is not None else None
+    return stage if isinstance(stage, int) else None
+
+
+def loads_from_rank0(cfg, ctx) -> bool:
+    """ZeRO-3 on several ranks: only rank 0 builds the real model; the others build it on `meta`
+    and get their partitions from rank 0 in `partition_from_rank0` (see the module docstring)."""
+    return bool(cfg.deepspeed) and ctx.enabled and ctx.world_size > 1 and zero_stage(cfg) == 3
+
+
+def _engine_dtype(config: dict) -> torch.dtype | None:
+    """The dtype DeepSpeed expects ZeRO-3 parameters to have already (None: keep the model's)."""
+    if _get(config, ("bf16", "enabled")) is True:
+        return torch.bfloat16
+    if _get(config, ("fp16", "enabled")) is True:
+        return torch.float16
+    return None
+
+
+def partition_from_rank0(model: torch.nn.Module, config: dict, device: torch.device) -> None:
+    """Collective: turn every parameter into a ZeRO-3 partition holding rank 0's values.
+
+    Rank 0's parameters hold the weights; the other ranks' are on `meta`. Module by module, a
+    meta parameter gets empty storage, and DeepSpeed's own conversion (the one
+    `deepspeed.initialize` runs on an unpartitioned model, `Init._zero_init_param`) broadcasts
+    rank 0's bytes into it and keeps this rank's 1/N slice. deepspeed.initialize then finds only
+    ZeRO parameters, converts nothing more, and uses them as built here (dtype, offload device:
+    the same settings it would have used). Buffers are not partitioned: broadcast whole."""
+    import deepspeed
+    import torch.distributed as dist
+    from deepspeed.runtime.zero.partition_parameters import is_zero_param
+
+    deepspeed.init_distributed(dist_backend=dist.get_backend())  # joins the existing group: ZeRO counts its ranks
+    dtype = _engine_dtype(config)
+    offload = _get(config, ("zero_optimization", "offload_param")) or {}
+    remote = offload.get("device") if offload.get("device") not in (None, "none") else None
+    # One receive buffer, the size of the largest module's parameters, reused for every module:
+    # allocating and freeing each module's full tensors instead fragmented the heap (rank 1 peaked
+    # at 0.76x the model's fp32 bytes on 2 ranks, not ~0.5x; docs/distributed.md).
+    def aligned_bytes(param) -> int:
+        return -(-param.numel() * (dtype or param.dtype).itemsize // 64) * 64
+
+    needed = [sum(aligned_bytes(p) for p in m.parameters(recurse=False) if p.is_meta) for m in model.modules()]
+    scratch = torch.empty(max(needed, default=0), dtype=torch.uint8, device=device)
+    first, real = None, {}  # id(meta parameter) -> (it, its replacement): tied parameters stay one object
+    for module in model.modules():
+        offset = 0
+        for name, param in list(module._parameters.items()):
+            if param is not None and param.is_meta:  # a meta tensor's .data cannot be swapped: replace it
+                if id(param) not in real:  # filled by the broadcast; only its partition outlives this module
+                    size = aligned_bytes(param)
+                    storage = scratch[offset:offset + param.numel() * (dtype or param.dtype).itemsize]
+                    storage = storage.view(dtype or param.dtype).view(param.shape)
+                    offset += size
+                    real[id(param)] = (param, torch.nn.Parameter(storage, requires_grad=param.requires_grad))
+                module._parameters[name] = real[id(param)][1]
+        own = [p for p in module.parameters(recurse=False) if not is_zero_param(p)]  # tied: converted once
+        if not own:
+            continue
+        for param in own:
+            if dtype is not None and param.dtype != dtype:
+                param.data = param.data.to(dtype)
+        if first is None:  # the first conversion carries the settings every later one reuses
+            holder = torch.nn.Module()
+            for i, param in enumerate(own):
+                holder.register_parameter(f"p{i}", param)
+            deepspeed.zero.Init(module=holder, config_dict_or_path=config, remote_device=remote,
+                                pin_memory=bool(offload.get("pin_memory", False)))
+            first = own[0]
+        else:
+            first.convert_to_zero_parameters(param_list=own)
+    with torch.no_grad():
+        for module in model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    local = torch.empty_like(buffer, device=device) if buffer.is_meta else buffer.to(device)
+                    dist.broadcast(local, src=0)
+                    module._buffers[key] = local
 
 
 def is_engine(model) -> bool:

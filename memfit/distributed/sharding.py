@@ -35,9 +35,11 @@ FSDP2 = ("zero2", "zero3")
 
 def builds_on_meta(cfg, ctx: DistContext) -> bool:
     """Ranks that receive their weights from rank 0 (FSDP2 broadcast, tensor-parallel scatter,
-    pipeline stage sends) build the model on `meta` (no bytes)."""
+    pipeline stage sends, DeepSpeed ZeRO-3's conversion) build the model on `meta` (no bytes)."""
+    from memfit.distributed.deepspeed_engine import loads_from_rank0
+
     return ctx.enabled and ctx.rank != 0 and (cfg.sharding in FSDP2 or cfg.tensor_parallel > 1
-                                              or cfg.pipeline_parallel > 1)
+                                              or cfg.pipeline_parallel > 1 or loads_from_rank0(cfg, ctx))
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -156,8 +158,12 @@ def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
 
 def initial_device(cfg, ctx: DistContext, device: torch.device) -> torch.device | None:
     """Where the built model goes before sharding: FSDP2 and pipeline ranks keep it where it was
-    built (CPU or meta) and place only their shards; everything else moves to the device now."""
-    if ctx.enabled and (cfg.sharding in FSDP2 or cfg.pipeline_parallel > 1 or cfg.tensor_parallel > 1):
+    built (CPU or meta) and place only their shards (DeepSpeed ZeRO-3 too: its partitions are moved
+    one module at a time); everything else moves to the device now."""
+    from memfit.distributed.deepspeed_engine import loads_from_rank0
+
+    if ctx.enabled and (cfg.sharding in FSDP2 or cfg.pipeline_parallel > 1 or cfg.tensor_parallel > 1
+                        or loads_from_rank0(cfg, ctx)):
         return None
     return device
 

@@ -12,6 +12,9 @@ DeepSpeed checkpoints, the second resuming the first. Checks:
   exit       every torchrun exits 0
   files      the final model is ordinary safetensors equal to the single run's weights (fp32 runs)
   resume     a run stopped at step 2 and resumed from its DeepSpeed checkpoint continues exactly
+  loading    ZeRO-3 (issue 6): rank 1 builds the model on `meta` and ends with only its partition
+             (load-rank<r>.json, written around deepspeed_engine.initialize); the random init
+             (preset) and a saved safetensors folder both come out equal to the single run's
 
 fp16 and DeepSpeed's own CPU-Adam / NVMe offload need CUDA: tests/gpu/test_deepspeed_gpu.py.
 """
@@ -31,7 +34,7 @@ import torch
 
 from memfit.config import load_config
 
-pytestmark = pytest.mark.slow  # ~1.5 min on 2 cores: three torchrun launches + three single-process runs
+pytestmark = pytest.mark.slow  # ~1.5 min on 2 cores: three torchrun launches + five single-process runs
 
 ROOT = Path(__file__).resolve().parents[2]
 LOSS_TOLERANCE = 1e-4   # relative; float32 reductions split over ranks differ in the last bits
@@ -69,15 +72,31 @@ RUNS = {  # name -> (JSON, overrides, single-process reference)
     "zero3_offload": ("zero3_offload", [], "single"),
     "zero3_bf16": ("zero3", ["precision=bf16-mixed"], "single_bf16"),
     "zero2_lora": ("shipped", ["method=lora"], "single_lora"),
+    "zero3_saved": ("zero3", ["model={saved}"], "single_saved"),  # from_pretrained of a safetensors folder
 }
 SINGLE = {"single": [], "single_accum": ["grad_accum=2", "warmup_steps=1", "lr_schedule=cosine"],
-          "single_bf16": ["precision=bf16-mixed"], "single_lora": ["method=lora"]}
+          "single_bf16": ["precision=bf16-mixed"], "single_lora": ["method=lora"], "single_saved": ["model={saved}"]}
 
 WORKER = '''
-import os, sys, torch.distributed as dist
+import json, os, sys, torch.distributed as dist
 from memfit.config import load_config
+from memfit.distributed import deepspeed_engine
 from memfit.train.loop import train
 
+
+def recording_initialize(model, optimizer_factory, cfg, ctx, device, _initialize=deepspeed_engine.initialize):
+    """What this rank held as built (meta or not) and after initialize (its parameter bytes): load-rank<r>.json."""
+    built_on_meta = all(p.is_meta for p in model.parameters())
+    engine, optimizer = _initialize(model, optimizer_factory, cfg, ctx, device)
+    local = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]  # ZeRO-3: this rank's partition
+    os.makedirs(cfg.output_dir, exist_ok=True)
+    with open(os.path.join(cfg.output_dir, f"load-rank{ctx.rank}.json"), "w") as f:
+        json.dump({"built_on_meta": built_on_meta,
+                   "parameter_bytes": sum(t.numel() * t.element_size() for t in local)}, f)
+    return engine, optimizer
+
+
+deepspeed_engine.initialize = recording_initialize  # the loop looks it up at every run
 dist.init_process_group("gloo")  # one group for every run; train() leaves a group it did not create
 config, out = sys.argv[1], sys.argv[2]
 for line in open(os.path.join(out, "runs.txt")):
@@ -115,6 +134,7 @@ def _metrics(run_dir: Path, key: str) -> list[float]:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """Write data, config and JSON files; run the single-process references and every DeepSpeed run."""
+    from memfit.models.loading import build_model
     from memfit.train.loop import train
 
     root = tmp_path_factory.mktemp("deepspeed")
@@ -128,16 +148,20 @@ def runs(tmp_path_factory):
         f"max_steps: {STEPS}\nmicro_batch: 2\nseq_len: 64\nlog_every: 1\nsave_every: 0\nlr: 0.001\n"
         "warmup_steps: 0\nlr_schedule: constant\nmax_grad_norm: 100.0\ndevice: cpu\noverwrite: true\n"
         f"data:\n  path: {root / 'data.jsonl'}\n  format: text\n")
+    saved = root / "saved"  # a local model folder with safetensors weights (a seed the preset runs do not use)
+    torch.manual_seed(1)
+    build_model(load_config(config).model).save_pretrained(saved, safe_serialization=True)
     paths = {"shipped": SHIPPED}
     for name, content in USER_JSON.items():
         paths[name] = root / f"{name}.json"
         paths[name].write_text(json.dumps(content, indent=1))
     (root / "runs.txt").write_text("".join(f"{name} deepspeed={paths[js]} micro_batch=1 {' '.join(extra)}\n"
-                                           for name, (js, extra, _) in RUNS.items()))
+                                           .format(saved=saved) for name, (js, extra, _) in RUNS.items()))
     (root / "worker.py").write_text(WORKER)
 
     for name, overrides in SINGLE.items():
-        train(load_config(config, [f"output_dir={root / name}", *overrides]), progress=False)
+        train(load_config(config, [f"output_dir={root / name}", *(o.format(saved=saved) for o in overrides)]),
+              progress=False)
     result = _torchrun(str(root / "worker.py"), str(config), str(root))
     return root, config, paths, result
 
@@ -175,6 +199,31 @@ def test_final_weights_match_single_process(runs, name):
     assert set(reference) == set(weights)
     for key, value in reference.items():
         torch.testing.assert_close(weights[key], value, atol=WEIGHT_TOLERANCE, rtol=0, msg=f"{name}: {key}")
+
+
+ZERO3 = [name for name, (js, _, _) in RUNS.items() if js.startswith("zero3")]
+
+
+@pytest.mark.parametrize("name", ZERO3)
+def test_zero3_ranks_but_0_never_build_the_full_model(runs, name):
+    """issue 6: under ZeRO-3 rank 1 builds on meta (no bytes) and keeps only its partition."""
+    root, config, *_ = runs
+    from memfit.models.loading import build_model
+
+    loads = [json.loads((root / name / f"load-rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [load["built_on_meta"] for load in loads] == [False, True], loads
+    full = sum(p.numel() * p.element_size() for p in build_model(load_config(config).model, on_meta=True).parameters())
+    if name.endswith("bf16"):
+        full //= 2  # DeepSpeed's bf16 mode keeps bf16 partitions
+    for rank, load in enumerate(loads):
+        assert 0.4 * full < load["parameter_bytes"] < 0.6 * full, (rank, load, full)  # about half: 2 ranks
+
+
+def test_zero3_check_tells_the_cases_apart(runs):
+    """ZeRO 1 and 2 keep whole weights on every rank, so their rank 1 builds the full model."""
+    root, *_ = runs
+    for name in ("zero1", "zero2"):
+        assert json.loads((root / name / "load-rank1.json").read_text())["built_on_meta"] is False, name
 
 
 def test_bf16_engine_writes_bf16_weights(runs):
