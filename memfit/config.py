@@ -166,7 +166,7 @@ class RunConfig(_Section):
                                                          "grad_accum micro-batches per step).")
     deepspeed: str | None = Field(None, description="A DeepSpeed JSON config file (yours, as DeepSpeed reads it): "
                                                   "the DeepSpeed engine runs the step under torchrun; values memfit "
-                                                  "owns may be \"auto\" (memfit/distributed/deepspeed_engine.py).")
+                                                  "owns may be \"auto\" (memfit/distributed/deepspeed_config.py).")
 
     @field_validator("checkpointing")
     @classmethod

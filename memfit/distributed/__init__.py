@@ -9,5 +9,6 @@ collectives.
   tensor_parallel.py  Llama-family blocks through parallelize_module
   pipeline.py         stages and the GPipe schedule
   checkpoint.py       torch.distributed.checkpoint save/reload, full state dict on rank 0
-  deepspeed_engine.py deepspeed.initialize from the user's JSON ("auto" values filled), driven by the one loop
+  deepspeed_config.py the user's DeepSpeed JSON checked against the run config, "auto" values filled
+  deepspeed_engine.py deepspeed.initialize with it, ZeRO-3 partitions from rank 0, driven by the one loop
 """

@@ -56,7 +56,7 @@ def config_problems(cfg) -> list[str]:
         problems.append("pipeline_parallel > 1 needs max_grad_norm: null (gradient clipping across pipeline "
                         "stages is not implemented)")
     if getattr(cfg, "deepspeed", None):  # the JSON file and what DeepSpeed takes over from memfit's fields
-        from memfit.distributed.deepspeed_engine import deepspeed_problems
+        from memfit.distributed.deepspeed_config import deepspeed_problems
 
         problems += deepspeed_problems(cfg)
     return problems

@@ -1,0 +1,187 @@
+"""The user's DeepSpeed JSON: read it, check it against the RunConfig, fill the "auto" values.
+
+Values memfit owns (the loop, the data and the schedule depend on them) come from the RunConfig
+when the JSON writes them as "auto" or leaves them out, as in Hugging Face's integration:
+
+  train_micro_batch_size_per_gpu   micro_batch
+  gradient_accumulation_steps      grad_accum
+  train_batch_size                 micro_batch x grad_accum x ranks
+  gradient_clipping                max_grad_norm (null -> 0, DeepSpeed's "off")
+  bf16.enabled / fp16.enabled      precision (bf16-mixed / fp16-mixed; fp32: both off)
+  optimizer.params.lr, .weight_decay   lr, weight_decay (when the JSON has an optimizer block)
+
+A number there that contradicts the RunConfig is an error naming both. "auto" is also filled,
+from the model's hidden size as Hugging Face does, for zero_optimization.reduce_bucket_size,
+stage3_prefetch_bucket_size and stage3_param_persistence_threshold; anywhere else it is refused.
+Without an "optimizer" block memfit's own optimizer (`optimizer:`) is handed to DeepSpeed.
+The learning rate follows memfit's lr_schedule, so a "scheduler" block is refused. LoRA runs on
+ZeRO 0-2 (ZeRO-3 would partition the frozen base that rank 0 writes beside the adapter).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from memfit.errors import MemfitError
+
+AUTO = "auto"
+# "auto" values Hugging Face fills from the model's hidden size h (transformers.integrations.deepspeed).
+_HIDDEN_SIZE_AUTO = {("zero_optimization", "reduce_bucket_size"): lambda h: h * h,
+                     ("zero_optimization", "stage3_prefetch_bucket_size"): lambda h: int(0.9 * h * h),
+                     ("zero_optimization", "stage3_param_persistence_threshold"): lambda h: 10 * h}
+# Client optimizers DeepSpeed's ZeRO can flatten and partition (plain torch.optim states).
+CLIENT_OPTIMIZERS = ("adamw", "sgd")
+
+
+def read_json(path: str) -> tuple[dict | None, list[str]]:
+    """(the JSON object, problems); problems say which file and where."""
+    file = Path(path)
+    if not file.is_file():
+        return None, [f"deepspeed: file not found: {path} (relative paths are from the current directory)"]
+    try:
+        value = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        return None, [f"deepspeed: {path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"]
+    except (OSError, UnicodeDecodeError) as exc:
+        return None, [f"deepspeed: cannot read {path}: {exc}"]
+    if not isinstance(value, dict):
+        return None, [f"deepspeed: {path} must hold a JSON object ({{...}}), not {type(value).__name__}"]
+    return value, []
+
+
+def _owned(cfg, ds: dict) -> dict[tuple[str, ...], tuple[object, str]]:
+    """JSON path -> (the value the RunConfig gives it, which RunConfig setting that is)."""
+    owned = {("train_micro_batch_size_per_gpu",): (cfg.micro_batch, f"micro_batch: {cfg.micro_batch}"),
+             ("gradient_accumulation_steps",): (cfg.grad_accum, f"grad_accum: {cfg.grad_accum}"),
+             ("gradient_clipping",): (cfg.max_grad_norm or 0.0, f"max_grad_norm: {cfg.max_grad_norm}"),
+             ("bf16", "enabled"): (cfg.precision == "bf16-mixed", f"precision: {cfg.precision}"),
+             ("fp16", "enabled"): (cfg.precision == "fp16-mixed", f"precision: {cfg.precision}")}
+    if isinstance(ds.get("optimizer"), dict):
+        owned[("optimizer", "params", "lr")] = (cfg.lr, f"lr: {cfg.lr}")
+        owned[("optimizer", "params", "weight_decay")] = (cfg.weight_decay, f"weight_decay: {cfg.weight_decay}")
+    return owned
+
+
+def json_path(tree: dict, path: tuple[str, ...]):
+    for key in path:
+        if not isinstance(tree, dict) or key not in tree:
+            return None
+        tree = tree[key]
+    return tree
+
+
+def _set(tree: dict, path: tuple[str, ...], value) -> None:
+    for key in path[:-1]:
+        tree = tree.setdefault(key, {})
+    tree[path[-1]] = value
+
+
+def _same(json_value, memfit_value) -> bool:
+    if isinstance(memfit_value, bool) or isinstance(json_value, bool):
+        return json_value is memfit_value
+    if isinstance(json_value, (int, float)) and isinstance(memfit_value, (int, float)):
+        return math.isclose(json_value, memfit_value, rel_tol=1e-9, abs_tol=0.0)
+    return False
+
+
+def _auto_paths(tree, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    if isinstance(tree, dict):
+        return [p for key, value in tree.items() for p in _auto_paths(value, (*prefix, str(key)))]
+    return [prefix] if tree == AUTO else []
+
+
+def _conflicting_fields(cfg) -> list[str]:
+    """RunConfig settings DeepSpeed takes over or cannot run with: field, why, what to do."""
+    problems = []
+    if cfg.sharding != "none":
+        problems.append(f"sharding: {cfg.sharding} with deepspeed: DeepSpeed shards by its own "
+                        "zero_optimization.stage; set sharding: none")
+    if cfg.offload != "none":
+        problems.append(f"offload: {cfg.offload} with deepspeed: use zero_optimization.offload_optimizer / "
+                        "offload_param in the DeepSpeed JSON; set offload: none")
+    for name in ("tensor_parallel", "pipeline_parallel"):
+        if getattr(cfg, name) > 1:
+            problems.append(f"{name}: {getattr(cfg, name)} with deepspeed is not supported: set {name}: 1")
+    if cfg.optimizer_in_backward:
+        problems.append("optimizer_in_backward: true with deepspeed: the DeepSpeed engine owns the optimizer step; "
+                        "set optimizer_in_backward: false")
+    if cfg.activation_offload:
+        problems.append("activation_offload: true with deepspeed is not supported: set activation_offload: false "
+                        "(checkpointing: full saves activation memory instead)")
+    if cfg.chunked_loss:
+        problems.append("chunked_loss: true with deepspeed is not supported (it calls the decoder and lm_head "
+                        "around the engine): set chunked_loss: false")
+    if cfg.micro_batch == "auto" or cfg.budget is not None or cfg.memory_budget is not None:
+        which = ("micro_batch: auto" if cfg.micro_batch == "auto" else
+                 f"budget: {cfg.budget}" if cfg.budget is not None else f"memory_budget: {cfg.memory_budget}")
+        problems.append(f"{which} with deepspeed: the planner and out-of-memory recovery do not model the DeepSpeed "
+                        "engine; give micro_batch as a number and leave budget / memory_budget null")
+    if cfg.method == "qlora" or cfg.quant != "none":
+        problems.append(f"method: {cfg.method} with quant: {cfg.quant} and deepspeed is not supported: quantized "
+                        "base weights cannot be flattened into ZeRO partitions; use method: lora or full")
+    if cfg.precision == "bf16-pure":
+        problems.append("precision: bf16-pure with deepspeed: DeepSpeed's bf16 mode keeps fp32 master weights; "
+                        "use precision: bf16-mixed (bf16 weights, fp32 optimizer copy)")
+    return problems
+
+
+def deepspeed_problems(cfg) -> list[str]:
+    """Everything wrong with `deepspeed:` and its JSON for this RunConfig, all at once (load time)."""
+    if not cfg.deepspeed:
+        return []
+    problems = _conflicting_fields(cfg)
+    ds, unreadable = read_json(cfg.deepspeed)
+    if ds is None:
+        return problems + unreadable
+    where = f"deepspeed: {cfg.deepspeed}:"
+    owned = _owned(cfg, ds)
+    for path, (value, setting) in owned.items():
+        found = json_path(ds, path)
+        if found is not None and found != AUTO and not _same(found, value):
+            problems.append(f"{where} {'.'.join(path)} is {json.dumps(found)} but the run config has {setting}; "
+                            f'make them agree or write "auto" in the JSON')
+    allowed_auto = set(owned) | set(_HIDDEN_SIZE_AUTO) | {("train_batch_size",)}
+    for path in _auto_paths(ds):
+        if path not in allowed_auto:
+            problems.append(f'{where} {".".join(path)} is "auto", which memfit cannot fill; write a value '
+                            "(memfit fills: " + ", ".join(".".join(p) for p in sorted(allowed_auto)) + ")")
+    if "scheduler" in ds:
+        problems.append(f"{where} has a scheduler block, but memfit's lr_schedule / warmup_steps drive the learning "
+                        "rate; remove the scheduler block")
+    if cfg.method == "lora" and json_path(ds, ("zero_optimization", "stage")) == 3:
+        problems.append(f"{where} zero_optimization.stage 3 with method: lora is not supported: rank 0 writes the "
+                        "frozen base next to the adapter, which ZeRO-3 has partitioned; use stage 1 or 2 for LoRA")
+    has_optimizer = isinstance(ds.get("optimizer"), dict)
+    if has_optimizer and cfg.optimizer != "adamw":
+        problems.append(f"{where} has an optimizer block and optimizer: {cfg.optimizer} is set too; remove one "
+                        "(the JSON's optimizer is used when present)")
+    if not has_optimizer and cfg.optimizer not in CLIENT_OPTIMIZERS:
+        problems.append(f"optimizer: {cfg.optimizer} with deepspeed: ZeRO partitions plain torch optimizers only "
+                        f"({', '.join(CLIENT_OPTIMIZERS)}); choose one, or put an optimizer block in {cfg.deepspeed}")
+    return problems
+
+
+def resolved_config(cfg, world_size: int, hidden_size: int | None = None) -> dict:
+    """The user's JSON with every value memfit owns filled in (launch time: ranks and model known)."""
+    ds, problems = read_json(cfg.deepspeed)
+    if ds is None:
+        raise MemfitError(problems[0])
+    for path, (value, _) in _owned(cfg, ds).items():
+        if json_path(ds, path) in (None, AUTO) and not (path[-1] == "enabled" and value is False and path[0] not in ds):
+            _set(ds, path, value)
+    train_batch = cfg.micro_batch * cfg.grad_accum * world_size
+    given = ds.get("train_batch_size")
+    if given not in (None, AUTO) and given != train_batch:
+        raise MemfitError(f"deepspeed: {cfg.deepspeed}: train_batch_size is {given} but micro_batch {cfg.micro_batch} "
+                          f"x grad_accum {cfg.grad_accum} x {world_size} ranks = {train_batch}; "
+                          'make them agree or write "auto"')
+    ds["train_batch_size"] = train_batch
+    for path, rule in _HIDDEN_SIZE_AUTO.items():
+        if json_path(ds, path) == AUTO:
+            if hidden_size is None:
+                raise MemfitError(f'deepspeed: {cfg.deepspeed}: {".".join(path)} is "auto" but the model has no '
+                                  "hidden_size to fill it from; write a number")
+            _set(ds, path, rule(hidden_size))
+    return ds
