@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 PREFIX = "sharded-step-"
 TRAINER = "trainer.json"
 TENSORS = "trainer.pt"  # scheduler state and optimizer hyperparameters
-_NAME = re.compile(rf"^{PREFIX}(\d{{8,}})$")
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -116,37 +115,57 @@ def _load_named_optimizer_state(path: Path, model, optimizer) -> None:
         local.state.setdefault(param, {})[key] = value.to(param.device) if value.dim() else value
 
 
-def save_sharded(out: Path, step: int, trainer: dict, model, optimizer, ctx: DistContext, keep: int = 2) -> Path:
-    """Collective: every rank calls this with the same step. Returns the checkpoint folder."""
+def write_checkpoint_folder(root: Path, prefix: str, step: int, keep: int, write) -> Path:
+    """Collective: every rank runs `write(folder, rank)` into `root/.tmp-<prefix><step>`, then saves
+    its RNG state there; once all are done rank 0 renames the folder to its final name and keeps the
+    newest `keep` complete ones. `write` writes TRAINER last on rank 0: it marks a folder complete."""
     import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
 
-    root = Path(out) / "checkpoints"
-    final, tmp = root / f"{PREFIX}{step:08d}", root / f".tmp-{PREFIX}{step:08d}"
-    if ctx.is_main:
+    rank = dist.get_rank()
+    final, tmp = root / f"{prefix}{step:08d}", root / f".tmp-{prefix}{step:08d}"
+    if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     dist.barrier()
-    dcp.save(_state(model, optimizer), checkpoint_id=str(tmp / "state"))
-    torch.save({"torch_cpu": torch.get_rng_state()}, tmp / f"rng-rank{ctx.rank}.pt")
-    if ctx.is_main:
-        plain = {key: value for key, value in trainer.items() if key != "scheduler"}
-        groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
-        torch.save({"scheduler": trainer.get("scheduler"), "param_groups": groups}, tmp / TENSORS)
-        (tmp / TRAINER).write_text(json.dumps(plain))  # written last: it marks the folder complete
+    write(tmp, rank)
+    torch.save({"torch_cpu": torch.get_rng_state()}, tmp / f"rng-rank{rank}.pt")
     dist.barrier()
-    if ctx.is_main:
+    if rank == 0:
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
-        for old in sharded_checkpoints(root)[:-keep]:
+        for old in complete_checkpoints(root, prefix)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
     return final
 
 
-def sharded_checkpoints(root: Path) -> list[Path]:
-    found = [p for p in Path(root).glob(f"{PREFIX}*") if _NAME.match(p.name) and (p / TRAINER).exists()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
+def complete_checkpoints(root: Path, prefix: str = PREFIX) -> list[Path]:
+    """`root/<prefix>NNNNNNNN` folders holding TRAINER (complete), oldest first."""
+    pattern = re.compile(rf"^{re.escape(prefix)}(\d{{8,}})$")
+    found = [p for p in Path(root).glob(f"{prefix}*") if pattern.match(p.name) and (p / TRAINER).exists()]
+    return sorted(found, key=lambda p: int(pattern.match(p.name).group(1)))
+
+
+def restore_rank_rng(path: Path, rank: int) -> None:
+    """This rank's torch RNG state as `write_checkpoint_folder` saved it (if it did)."""
+    rng = path / f"rng-rank{rank}.pt"
+    if rng.exists():
+        torch.set_rng_state(torch.load(rng, weights_only=True)["torch_cpu"])
+
+
+def save_sharded(out: Path, step: int, trainer: dict, model, optimizer, ctx: DistContext, keep: int = 2) -> Path:
+    """Collective: every rank calls this with the same step. Returns the checkpoint folder."""
+    import torch.distributed.checkpoint as dcp
+
+    def write(folder: Path, rank: int) -> None:
+        dcp.save(_state(model, optimizer), checkpoint_id=str(folder / "state"))
+        if rank == 0:
+            plain = {key: value for key, value in trainer.items() if key != "scheduler"}
+            groups = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+            torch.save({"scheduler": trainer.get("scheduler"), "param_groups": groups}, folder / TENSORS)
+            (folder / TRAINER).write_text(json.dumps(plain))  # written last: it marks the folder complete
+
+    return write_checkpoint_folder(Path(out) / "checkpoints", PREFIX, step, keep, write)
 
 
 def load_sharded(path: Path, model, optimizer, ctx: DistContext) -> dict:
@@ -168,9 +187,7 @@ def load_sharded(path: Path, model, optimizer, ctx: DistContext) -> dict:
         _load_named_optimizer_state(path, model, optimizer)
     else:
         set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    rng = path / f"rng-rank{ctx.rank}.pt"
-    if rng.exists():
-        torch.set_rng_state(torch.load(rng, weights_only=True)["torch_cpu"])
+    restore_rank_rng(path, ctx.rank)
     trainer = load_trainer(path)
     for group, saved in zip(optimizer.param_groups, trainer.pop("param_groups")):
         group.update(saved)  # lr as of the saved step (the scheduler sets it again only after the next step)
@@ -249,7 +266,7 @@ def checkpoint_functions(ctx: DistContext, save_checkpoint, resume_state, save_m
     def resume(resume: bool, out, model, optimizer, scheduler, scaler, stream):
         from memfit.train.checkpoint import TrainerState
 
-        found = sharded_checkpoints(Path(out) / "checkpoints") if resume else []
+        found = complete_checkpoints(Path(out) / "checkpoints") if resume else []
         if not found:
             if resume:
                 log.warning("resume=true: no sharded checkpoint in %s; starting from step 0", Path(out) / "checkpoints")

@@ -33,19 +33,17 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
-import shutil
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
+from memfit.distributed.checkpoint import TRAINER, complete_checkpoints, restore_rank_rng, write_checkpoint_folder
 from memfit.distributed.deepspeed_config import json_path, read_json, resolved_config
 from memfit.errors import MemfitError, require
 
 log = logging.getLogger(__name__)
 PREFIX = "deepspeed-step-"
-_NAME = re.compile(rf"^{PREFIX}(\d{{8,}})$")
 
 
 # ------------------------------------------------------------------ the engine
@@ -239,37 +237,19 @@ def torch_optimizer(optimizer):
 
 # ------------------------------------------------------------------ checkpoints and the final model
 
-def deepspeed_checkpoints(root: Path) -> list[Path]:
-    found = [p for p in Path(root).glob(f"{PREFIX}*") if _NAME.match(p.name) and (p / "trainer.json").exists()]
-    return sorted(found, key=lambda p: int(_NAME.match(p.name).group(1)))
-
-
 def save_deepspeed(out: Path, state, engine, scheduler, keep: int = 2) -> Path:
     """Collective: every rank calls this with the same step. Returns the checkpoint folder."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    root = Path(out) / "checkpoints"
-    final, tmp = root / f"{PREFIX}{state.step:08d}", root / f".tmp-{PREFIX}{state.step:08d}"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    dist.barrier()
-    engine.save_checkpoint(str(tmp), tag="state", client_state={}, save_latest=False)
-    torch.save({"torch_cpu": torch.get_rng_state()}, tmp / f"rng-rank{rank}.pt")
-    if rank == 0:
-        trainer = {"step": state.step, "data": state.data, "losses": list(state.losses),
-                   "nonfinite_total": state.nonfinite_total, "world_size": dist.get_world_size()}
-        (tmp / "trainer.json").write_text(json.dumps(trainer))
-        torch.save(scheduler.state_dict() if scheduler is not None else {}, tmp / "scheduler.pt")
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)
-        tmp.rename(final)
-        for old in deepspeed_checkpoints(root)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
-    return final
+    def write(folder: Path, rank: int) -> None:
+        engine.save_checkpoint(str(folder), tag="state", client_state={}, save_latest=False)
+        if rank == 0:
+            torch.save(scheduler.state_dict() if scheduler is not None else {}, folder / "scheduler.pt")
+            trainer = {"step": state.step, "data": state.data, "losses": list(state.losses),
+                       "nonfinite_total": state.nonfinite_total, "world_size": dist.get_world_size()}
+            (folder / TRAINER).write_text(json.dumps(trainer))  # written last: it marks the folder complete
+
+    return write_checkpoint_folder(Path(out) / "checkpoints", PREFIX, state.step, keep, write)
 
 
 def load_deepspeed(path: Path, engine, scheduler) -> dict:
@@ -277,16 +257,14 @@ def load_deepspeed(path: Path, engine, scheduler) -> dict:
     import torch.distributed as dist
 
     path = Path(path)
-    trainer = json.loads((path / "trainer.json").read_text())
+    trainer = json.loads((path / TRAINER).read_text())
     loaded, _ = engine.load_checkpoint(str(path), tag="state", load_optimizer_states=True,
                                        load_lr_scheduler_states=False)
     if loaded is None:
         raise MemfitError(f"resume=true: DeepSpeed could not load the checkpoint in {path / 'state'}")
     if scheduler is not None and (path / "scheduler.pt").exists():
         scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    rng = path / f"rng-rank{dist.get_rank()}.pt"
-    if rng.exists():
-        torch.set_rng_state(torch.load(rng, weights_only=True)["torch_cpu"])
+    restore_rank_rng(path, dist.get_rank())
     return trainer
 
 
@@ -327,7 +305,7 @@ def checkpoint_functions(ctx):
     def resume(resume, out, model, optimizer, scheduler, scaler, stream):
         import torch.distributed as dist
 
-        found = deepspeed_checkpoints(Path(out) / "checkpoints") if resume else []
+        found = complete_checkpoints(Path(out) / "checkpoints", PREFIX) if resume else []
         if not found:
             if resume:
                 log.warning("resume=true: no DeepSpeed checkpoint in %s; starting from step 0",

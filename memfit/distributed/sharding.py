@@ -33,13 +33,18 @@ from memfit.errors import MemfitError
 FSDP2 = ("zero2", "zero3")
 
 
-def builds_on_meta(cfg, ctx: DistContext) -> bool:
-    """Ranks that receive their weights from rank 0 (FSDP2 broadcast, tensor-parallel scatter,
-    pipeline stage sends, DeepSpeed ZeRO-3's conversion) build the model on `meta` (no bytes)."""
+def shards_from_rank0(cfg, ctx: DistContext) -> bool:
+    """Whether the engine hands each rank its part of rank 0's model (FSDP2 broadcast, tensor-parallel
+    scatter, pipeline stage sends, DeepSpeed ZeRO-3's conversion) rather than a full replica."""
     from memfit.distributed.deepspeed_engine import loads_from_rank0
 
-    return ctx.enabled and ctx.rank != 0 and (cfg.sharding in FSDP2 or cfg.tensor_parallel > 1
-                                              or cfg.pipeline_parallel > 1 or loads_from_rank0(cfg, ctx))
+    return ctx.enabled and (cfg.sharding in FSDP2 or cfg.tensor_parallel > 1 or cfg.pipeline_parallel > 1
+                            or loads_from_rank0(cfg, ctx))
+
+
+def builds_on_meta(cfg, ctx: DistContext) -> bool:
+    """Ranks that receive their weights from rank 0 build the model on `meta` (no bytes)."""
+    return ctx.rank != 0 and shards_from_rank0(cfg, ctx)
 
 
 def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
@@ -160,12 +165,7 @@ def initial_device(cfg, ctx: DistContext, device: torch.device) -> torch.device 
     """Where the built model goes before sharding: FSDP2 and pipeline ranks keep it where it was
     built (CPU or meta) and place only their shards (DeepSpeed ZeRO-3 too: its partitions are moved
     one module at a time); everything else moves to the device now."""
-    from memfit.distributed.deepspeed_engine import loads_from_rank0
-
-    if ctx.enabled and (cfg.sharding in FSDP2 or cfg.pipeline_parallel > 1 or cfg.tensor_parallel > 1
-                        or loads_from_rank0(cfg, ctx)):
-        return None
-    return device
+    return None if shards_from_rank0(cfg, ctx) else device
 
 
 def follow_fsdp_storage() -> None:
