@@ -46,26 +46,34 @@ def cmd_train(args) -> int:
     return 0
 
 
-# `memfit plan` options: each is the RunConfig key of the same name (dashes for underscores).
-PLAN_OPTIONS = {
-    "method": dict(choices=["full", "lora", "qlora"]), "precision": dict(choices=["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]),
-    "optimizer": dict(choices=["adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion", "lion-8bit", "sgd"]),
-    "checkpointing": dict(help="none, full or every-N"), "attention": dict(choices=["eager", "sdpa", "flash"]),
-    "micro_batch": dict(help="sequences per forward/backward (or auto)"), "seq_len": dict(type=int),
-    "grad_accum": dict(type=int), "packing": dict(choices=["true", "false"]), "lora.rank": dict(type=int),
-    "lora.alpha": dict(type=float), "lora.targets": dict(help="comma-separated module names, or all-linear"),
-    "quant": dict(choices=["none", "nf4", "nf4-dq", "fp4", "int8"]),
-    # issue 6: per-rank plan with --gpus N (docs/distributed.md)
-    "sharding": dict(choices=["none", "ddp", "zero1", "zero2", "zero3"]),
-    "offload": dict(choices=["none", "optimizer", "params", "all"]),
-    "tensor_parallel": dict(type=int, help="tensor-parallel degree K (alias --tp)"),
-    "pipeline_parallel": dict(type=int, help="pipeline stages S (alias --pp)"),
-    # issue 7 switches (flags: present = true)
-    "chunked_loss": dict(action="store_const", const="true", help="cross-entropy in chunks (no full logits)"),
-    "optimizer_in_backward": dict(action="store_const", const="true",
-                                  help="update each parameter during backward (needs max_grad_norm=null via --set)"),
-    "activation_offload": dict(action="store_const", const="true", help="saved activations in host memory (CUDA)"),
-}
+# `memfit plan` options: each is the RunConfig key of the same name (dashes for underscores); choices come
+# from RunConfig's own field types.
+def _plan_options() -> dict:
+    from typing import get_args
+
+    from memfit.config import RunConfig
+
+    def choices(name):
+        return dict(choices=list(get_args(RunConfig.model_fields[name].annotation)))
+
+    switch = dict(action="store_const", const="true")
+    return {
+        "method": choices("method"), "precision": choices("precision"), "optimizer": choices("optimizer"),
+        "checkpointing": dict(help="none, full or every-N"), "attention": choices("attention"),
+        "micro_batch": dict(help="sequences per forward/backward (or auto)"), "seq_len": dict(type=int),
+        "grad_accum": dict(type=int), "packing": dict(choices=["true", "false"]), "lora.rank": dict(type=int),
+        "lora.alpha": dict(type=float), "lora.targets": dict(help="comma-separated module names, or all-linear"),
+        "quant": choices("quant"), "sharding": choices("sharding"), "offload": choices("offload"),
+        "tensor_parallel": dict(type=int, help="tensor-parallel degree K (alias --tp)"),
+        "pipeline_parallel": dict(type=int, help="pipeline stages S (alias --pp)"),
+        "max_grad_norm": dict(help="gradient clipping norm, or null"),
+        "chunked_loss": dict(switch, help="cross-entropy in chunks (no full logits)"),
+        "optimizer_in_backward": dict(switch, help="update each parameter during backward (gives up clipping)"),
+        "activation_offload": dict(switch, help="saved activations in host memory (CUDA)"),
+    }
+
+
+PLAN_OPTIONS = _plan_options()
 
 
 def cmd_plan(args) -> int:
@@ -82,9 +90,20 @@ def cmd_plan(args) -> int:
         if key == "lora.targets" and value != "all-linear":
             value = "[" + value + "]"
         overrides.append(f"{key}={value}")
-    cfg = load_config(args.config, overrides + list(args.set or []))
+    overrides += list(args.set or [])
+    if args.optimizer_in_backward and not any(o.startswith("max_grad_norm=") for o in overrides):
+        overrides.append("max_grad_norm=null")  # the update happens before a global norm is known
+    cfg = load_config(args.config, overrides)
     device = args.device or ("cpu" if cfg.device == "cpu" else "cuda")
-    result = plan(args.model, cfg, parse_budget(args.budget), gpus=args.gpus, engine=args.engine, device=device)
+    margin = parse_budget(args.margin, "--margin", allow_zero=True)
+    host_ram = None if args.host_ram == "unlimited" else parse_budget(args.host_ram, "--host-ram")
+    if host_ram is None and args.host_ram is None:
+        from memfit.memory.planner import machine_ram_bytes
+
+        host_ram = machine_ram_bytes()
+    result = plan(args.model, cfg, parse_budget(args.budget), gpus=args.gpus, engine=args.engine, device=device,
+                  gpu=args.gpu, margin=margin, max_micro_batch=args.max_micro_batch, max_seq_len=args.max_seq_len,
+                  host_ram=host_ram)
     if args.write_config:
         write_config(result, args.write_config)
     if args.chart:
@@ -217,14 +236,25 @@ def build_parser() -> argparse.ArgumentParser:
                               **kwargs)
     plan_cmd.add_argument("--config", help="start from this RunConfig YAML (options override it)")
     plan_cmd.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other RunConfig key (repeatable)")
-    plan_cmd.add_argument("--budget", help="GPU memory per device, e.g. 24GiB or 80GB: run the roadmap tiers")
+    plan_cmd.add_argument("--budget", help="GPU memory per device, e.g. 24GiB or 80GB: search for the fastest plan "
+                                           "that fits")
     plan_cmd.add_argument("--gpus", type=int, default=1, help="GPUs (per-device budget; sharding needs 2+)")
+    plan_cmd.add_argument("--gpu", help="the card step times are predicted for: RTX 3090, RTX 4090, L4, A100-40GB, "
+                                        "A100-80GB, H100, H200 (default: the one closest to --budget)")
+    plan_cmd.add_argument("--margin", help="memory kept free under the budget (default 5%% of it, at least 1 GiB "
+                                           "on cards of 10 GiB or more)")
+    plan_cmd.add_argument("--host-ram", help="host RAM a plan may use per node (offloaded states and activations, "
+                                             "loading), e.g. 128GiB, or unlimited (default: this machine's RAM)")
+    plan_cmd.add_argument("--max-seq-len", action="store_true",
+                          help="also find the longest seq_len that fits, for the chosen plan and each family")
+    plan_cmd.add_argument("--max-micro-batch", action="store_true",
+                          help="also find the largest micro_batch that fits, for the chosen plan and each family")
     plan_cmd.add_argument("--device", choices=["cuda", "cpu"], help="device the run is planned for (default cuda)")
     plan_cmd.add_argument("--engine", choices=["analytic", "traced"], default="analytic",
                           help="analytic formulas (instant) or a traced run of the real step on fake tensors")
     plan_cmd.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     plan_cmd.add_argument("--write-config", metavar="FILE", help="write the recommendation as a RunConfig YAML")
-    plan_cmd.add_argument("--chart", metavar="FILE.png", help="stacked bars per tier against the budget")
+    plan_cmd.add_argument("--chart", metavar="FILE.png", help="stacked bars of the fastest plans against the budget")
     plan_cmd.set_defaults(func=cmd_plan)
 
     presets = sub.add_parser("presets", help="list the model presets usable offline")

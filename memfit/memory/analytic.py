@@ -17,8 +17,10 @@ from __future__ import annotations
 import math
 
 from memfit.config import RunConfig
+from memfit.memory.costs import OPTIMIZERS, QUANTS, checkpointed_layers
 from memfit.memory.estimate import Estimate
-from memfit.memory.model_shape import ModelShape, adapted_linears, lora_params, model_shape, trainable_params
+from memfit.memory.model_shape import (ModelShape, adapted_linears, linear_leaf_names, lora_params, model_shape,
+                                      trainable_params)
 from memfit.memory.tracker import CATEGORIES
 
 MiB, GiB = 2**20, 2**30
@@ -32,16 +34,6 @@ CPU_RUNTIME_BYTES = 400 * MiB        # python + torch + transformers + peft + me
                                      # 0.39 GiB on the 2-core CPU machine (2026-12-02)
 CUDA_HOST_BYTES = 1 * GiB            # assumed host RSS of the CUDA runtime and kernels (not measured here;
                                      # bench/gpu_validate.py records the real process RSS)
-
-# Optimizer state bytes per trainable parameter, by state dtype: (bytes if fp32 weights, if 16-bit weights).
-# 8-bit states carry one fp32 scale per 2048-value block (bitsandbytes blockwise quantization).
-_OPTIMIZER_STATES = {
-    "adamw": (8.0, 4.0), "sgd": (4.0, 2.0), "lion": (4.0, 2.0),
-    "adamw-8bit": (2.0 + 8 / 2048, 2.0 + 8 / 2048), "paged-adamw-8bit": (2.0 + 8 / 2048, 2.0 + 8 / 2048),
-    "lion-8bit": (1.0 + 4 / 2048, 1.0 + 4 / 2048),
-    "adafactor": (0.0, 0.0),  # factored: rows + columns per matrix, computed in optimizer_state_bytes
-}
-
 
 def _weight_size(cfg: RunConfig) -> int:
     """Bytes per parameter of the model's weights (fp32 master weights unless bf16-pure)."""
@@ -61,13 +53,8 @@ def _quant_mode(cfg: RunConfig) -> str:
 
 
 def quantized_bytes_per_param(mode: str) -> float:
-    """Storage of one quantized base weight, block scales included (bitsandbytes layout).
-
-    nf4/fp4: 4 bits + one fp32 absmax per 64 values. nf4-dq: the absmax is itself quantized to
-    8 bits (1 byte per 64 values) with one fp32 scale per 256 blocks. int8 (LLM.int8): 1 byte +
-    one fp32 scale per output row (negligible per value, counted as 0)."""
-    return {"nf4": 0.5 + 4 / 64, "fp4": 0.5 + 4 / 64, "nf4-dq": 0.5 + 1 / 64 + 4 / (64 * 256),
-            "int8": 1.0}[mode]
+    """Storage of one quantized base weight, block scales included (the table in memory/costs.py)."""
+    return QUANTS[mode].bytes_per_param
 
 
 # --- categories --------------------------------------------------------------------------------------
@@ -95,7 +82,7 @@ def gradient_bytes(shape: ModelShape, cfg: RunConfig) -> int:
 
 
 def optimizer_state_bytes(shape: ModelShape, cfg: RunConfig) -> int:
-    """Optimizer states per trainable parameter (see the table in strategies/optimizers.py)."""
+    """Optimizer states per trainable parameter (the table in memory/costs.py)."""
     n = trainable_params(shape, cfg)
     if cfg.optimizer == "adafactor":
         # row + column second-moment factors per matrix, fp32
@@ -104,8 +91,8 @@ def optimizer_state_bytes(shape: ModelShape, cfg: RunConfig) -> int:
         if cfg.method != "full":
             factored = sum(i + cfg.lora.rank + cfg.lora.rank + o for _, i, o in adapted_linears(shape, cfg))
         return factored * 4
-    fp32, half = _OPTIMIZER_STATES[cfg.optimizer]
-    per = fp32 if _trainable_size(cfg) == 4 else half
+    cost = OPTIMIZERS[cfg.optimizer]
+    per = cost.state_bytes_fp32 if _trainable_size(cfg) == 4 else cost.state_bytes_16bit
     return math.ceil(n * per)
 
 
@@ -138,8 +125,9 @@ def _layer_activation_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> floa
     # linear inputs: the attention-block input (q, k, v) and the MLP input (gate, up / fc1)
     attn_in = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
     mlp_in = ("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "dense_h_to_4h", "w1", "w3")
-    n_attn = trains(*[n for n in attn_in if any(m[0].endswith("." + n) for m in shape.linear)])
-    n_mlp = trains(*[n for n in mlp_in if any(m[0].endswith("." + n) for m in shape.linear)])
+    leaves = linear_leaf_names(shape)
+    n_attn = trains(*[n for n in attn_in if n in leaves])
+    n_mlp = trains(*[n for n in mlp_in if n in leaves])
     if mixed:
         total += (n_attn + n_mlp) * c * h
     else:
@@ -165,9 +153,7 @@ def _attention_scores_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     return cfg.micro_batch * shape.heads * cfg.seq_len * cfg.seq_len * per
 
 
-def _checkpointed_layers(shape: ModelShape, cfg: RunConfig) -> int:
-    every = cfg.checkpoint_every
-    return 0 if not every else math.ceil(shape.layers / every)
+_checkpointed_layers = checkpointed_layers
 
 
 def _weight_copies_bytes(shape: ModelShape, cfg: RunConfig) -> int:
@@ -198,6 +184,20 @@ def _layer_bytes(shape: ModelShape, cfg: RunConfig) -> float:
 def _loss_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """The log-softmax output the cross-entropy keeps, fp32 (transformers upcasts the logits)."""
     return cfg.micro_batch * cfg.seq_len * shape.vocab * 4
+
+
+def _chunk_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """One chunk of the chunked loss: its fp32 logits (chunk tokens x vocab x 4 B)."""
+    from memfit.strategies.loss import auto_chunk_tokens  # the chunk size the loss uses
+
+    tokens = cfg.micro_batch * cfg.seq_len
+    return min(tokens, auto_chunk_tokens(tokens, shape.vocab, shape.hidden)) * shape.vocab * 4
+
+
+def _loss_buffer_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """The loss's two largest transient blocks: d log-softmax and d logits over all tokens, or with
+    the chunked loss two of one chunk's buffers."""
+    return 2 * (_chunk_bytes(shape, cfg) if cfg.chunked_loss else _loss_bytes(shape, cfg))
 
 
 def activation_bytes(shape: ModelShape, cfg: RunConfig) -> int:
@@ -233,7 +233,7 @@ def _dequant_bytes(shape: ModelShape, cfg: RunConfig) -> int:
 def _optimizer_scratch(shape: ModelShape, cfg: RunConfig) -> int:
     """torch AdamW/SGD/Adafactor (foreach) build one scratch copy of the trainable parameters
     (e.g. Adam's denominator); bitsandbytes/torchao 8-bit optimizers update block by block."""
-    if cfg.optimizer in ("adamw", "sgd", "adafactor"):
+    if OPTIMIZERS[cfg.optimizer].foreach_scratch:
         return trainable_params(shape, cfg) * _trainable_size(cfg)
     return 0
 
@@ -325,7 +325,7 @@ def shard_model_states(by_category: dict[str, int], cfg: RunConfig, gpus: int, w
 
 def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", gpus: int = 1) -> Estimate:
     """Closed-form estimate of one run's peak memory per device (see docs/planner.md)."""
-    from memfit.memory.distributed_estimate import node_cpu_ram, per_rank_candidates  # issue 6
+    from memfit.memory.distributed_estimate import node_cpu_ram, per_rank_candidates
     if model_config is None:
         from memfit.models.loading import load_model_config
         model_config, _ = load_model_config(cfg.model)
@@ -333,7 +333,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
         from memfit.errors import MemfitError
         raise MemfitError("micro_batch: auto is resolved by the planner; the analytic estimate needs a number")
     shape = model_shape(model_config)
-    moments = beyond_basics_terms(peak_candidates(shape, cfg), shape, cfg, device)  # issue 7 features
+    moments = beyond_basics_terms(peak_candidates(shape, cfg), shape, cfg, device)
     candidates = {k: shard_model_states(v, cfg, gpus, k) for k, v in moments.items()}
     candidates = per_rank_candidates(candidates, shape, cfg, gpus, device)  # sharded/tp/pp: distributed_estimate.py
     where, by_category = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
@@ -345,7 +345,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
     allocated = sum(by_category.values())
     # allocator reserve: the loss buffers (the largest blocks of the step, cached after the backward's
     # start and rarely reusable for other shapes) + one partly used 2 MiB segment per layer
-    transient = 2 * _loss_bytes(shape, cfg) + ALLOCATOR_SEGMENT_BYTES * shape.layers
+    transient = _loss_buffer_bytes(shape, cfg) + ALLOCATOR_SEGMENT_BYTES * shape.layers
     overheads = runtime_overheads(cfg, device, transient)
     if paged:
         overheads["paged_optimizer_states"] = paged
@@ -356,6 +356,8 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
             update={"offload": "none"}), gpus, "optimizer_step")
         ram["offloaded"] = sum(unsharded[c] for c in ("weights", "gradients", "optimizer_states")) - sum(
             candidates["optimizer_step"][c] for c in ("weights", "gradients", "optimizer_states"))
+    if cfg.activation_offload and device == "cuda":  # the forward's saved tensors wait in pinned host memory
+        ram["offloaded_activations"] = activation_bytes(shape, cfg) - (_loss_bytes(shape, cfg) if cfg.chunked_loss else 0)
     if device == "cpu":
         ram["training_state"] = allocated
     ram = node_cpu_ram(ram, shape, cfg, gpus, device)  # per node: every rank's runtime, data, offload
@@ -366,7 +368,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
                     overheads=overheads, cpu_ram_bytes=int(sum(ram.values())), engine="analytic", notes=notes)
 
 
-# --- issue 7: chunked loss, optimizer step in backward, activation offload --------------------------------
+# --- chunked loss, optimizer step in backward, activation offload ------------------------------------------
 # memfit/strategies/{loss,optimizer_in_backward,activation_offload}.py; see docs/beyond.md.
 
 
@@ -393,10 +395,8 @@ def beyond_basics_terms(candidates: dict[str, dict[str, int]], shape: ModelShape
     out = {moment: dict(values) for moment, values in candidates.items()}
     tokens = cfg.micro_batch * cfg.seq_len
     loss = _loss_bytes(shape, cfg)
-    if getattr(cfg, "chunked_loss", False):
-        from memfit.strategies.loss import auto_chunk_tokens  # the chunk size the loss uses
-
-        chunk = min(tokens, auto_chunk_tokens(tokens, shape.vocab, shape.hidden)) * shape.vocab * 4
+    if cfg.chunked_loss:
+        chunk = _chunk_bytes(shape, cfg)
         out["backward_start"]["activations"] -= loss
         out["backward_start"]["temporaries"] += 3 * chunk - 2 * loss
         loss = 0
@@ -405,10 +405,14 @@ def beyond_basics_terms(candidates: dict[str, dict[str, int]], shape: ModelShape
         for values in out.values():
             values["gradients"] = min(values["gradients"], largest)
         out["optimizer_step"].update(gradients=largest, temporaries=min(out["optimizer_step"]["temporaries"], largest))
-    if getattr(cfg, "activation_offload", False) and device == "cuda":
+    if cfg.activation_offload and device == "cuda":
         layer = int(_layer_bytes(shape, cfg))
         out["backward_start"]["activations"] = min(out["backward_start"]["activations"], loss + layer)
-        out["backward_last"]["activations"] = min(out["backward_last"]["activations"], layer)
+        # a checkpointed last layer brings back only its input; its recomputed tensors are temporaries
+        every = cfg.checkpoint_every
+        last_ckpt = bool(every) and (shape.layers - 1) % every == 0
+        back = tokens * shape.hidden * _weight_size(cfg) if last_ckpt else layer
+        out["backward_last"]["activations"] = min(out["backward_last"]["activations"], back)
     return out
 
 

@@ -1,4 +1,4 @@
-"""Stacked bars of each tier's predicted memory against the budget line (matplotlib, imported lazily)."""
+"""Stacked bars of the fastest plans' predicted memory against the budget line (matplotlib, imported lazily)."""
 
 from __future__ import annotations
 
@@ -10,16 +10,18 @@ COLORS = {"weights": "#4c72b0", "gradients": "#dd8452", "optimizer_states": "#55
 
 
 def plan_chart(result, path: str) -> None:
-    """One bar for the run as described and one per tier (its best fit, or its smallest if none fits)."""
+    """One bar for the run as described and one per plan of the Pareto table (or, when nothing fits,
+    per family's closest plan)."""
     matplotlib = require("matplotlib", "--chart")
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
     bars = [("as described", result.estimate, result.device_bytes)]
-    for tier in result.tiers:
-        if tier.best is not None:
-            bars.append((f"tier {tier.tier}" + ("" if tier.fits else " (no fit)"), tier.best.estimate,
-                         tier.best.device_bytes))
+    found = result.search
+    if found is not None:
+        shown = found.pareto or [f.best for f in found.families if f.best is not None]
+        for i, plan in enumerate(shown, 1):
+            bars.append((f"{i}: {plan.family}" + ("" if found.pareto else " (no fit)"), plan.estimate, plan.device_bytes))
     fig, ax = plt.subplots(figsize=(1.8 * len(bars) + 3, 5))
     gib = 2**30
     for x, (label, est, total) in enumerate(bars):
@@ -32,7 +34,7 @@ def plan_chart(result, path: str) -> None:
         ax.text(x, bottom, f"{total / gib:.1f}", ha="center", va="bottom", fontsize=9)
     if result.budget_bytes is not None:
         ax.axhline(result.budget_bytes / gib, color="black", linestyle="--", label="budget")
-    ax.set_xticks(range(len(bars)), [b[0] for b in bars])
+    ax.set_xticks(range(len(bars)), [b[0] for b in bars], rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("predicted GPU memory per device (GiB = 2^30 bytes)")
     ax.set_title(f"memfit plan: {result.model}")
     ax.legend(fontsize=8, loc="upper right")

@@ -112,11 +112,23 @@ def _is_target(name: str, targets) -> bool:
     return any(leaf == t or name.endswith("." + t) or name == t for t in targets)
 
 
-def adapted_linears(shape: ModelShape, cfg: RunConfig) -> list[tuple[str, int, int]]:
+def adapted_linears(shape: ModelShape, cfg: RunConfig) -> tuple[tuple[str, int, int], ...]:
     """The block linears that get LoRA adapters (peft matches on the module name's suffix)."""
     if cfg.method == "full":
-        return []
-    return [m for m in shape.linear if _is_target(m[0], cfg.lora.targets)]
+        return ()
+    targets = cfg.lora.targets
+    return _adapted(shape, targets if isinstance(targets, str) else tuple(targets))
+
+
+@lru_cache(maxsize=256)  # the planner's search asks this for every candidate of the same model
+def _adapted(shape: ModelShape, targets) -> tuple[tuple[str, int, int], ...]:
+    return tuple(m for m in shape.linear if _is_target(m[0], targets))
+
+
+@lru_cache(maxsize=256)
+def linear_leaf_names(shape: ModelShape) -> frozenset[str]:
+    """The distinct last name parts of the block linears (q_proj, gate_proj, ...)."""
+    return frozenset(name.rsplit(".", 1)[-1] for name, _, _ in shape.linear)
 
 
 def lora_params(shape: ModelShape, cfg: RunConfig) -> int:

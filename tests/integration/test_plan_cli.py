@@ -20,7 +20,8 @@ def test_table_has_units_and_every_named_line(capsys):
     out = capsys.readouterr().out
     for line in ("GiB = 2^30 bytes", "trainable master weights", "gradients", "optimizer states",
                  "activations", "temporaries", "cuda context", "allocator reserve", "max_memory_allocated",
-                 "max_memory_reserved", "CPU RAM", "tier 1", "tier 2", "tier 3", "Recommendation"):
+                 "max_memory_reserved", "CPU RAM", "Recommendation", "Fastest plans that fit", "Families",
+                 "margin", "gives up"):
         assert line in out, line
 
 
@@ -32,7 +33,7 @@ def test_json_write_config_and_train_one_step(tmp_path, capsys):
     est = result["estimate"]
     assert est["peak_allocated_bytes"] == sum(est["by_category"].values())
     assert est["peak_reserved_bytes"] >= est["peak_allocated_bytes"] and est["cpu_ram_bytes"] > 0
-    assert [t["tier"] for t in result["tiers"]] == [1, 2, 3]
+    assert result["families"] and result["pareto"] and result["margin_bytes"] > 0
     recommendation = result["recommendation"]
     assert recommendation is not None
     cfg = load_config(path, [f"output_dir={tmp_path / 'run'}", "max_steps=1", "data.limit=16", "device=cpu"])
@@ -42,9 +43,21 @@ def test_json_write_config_and_train_one_step(tmp_path, capsys):
 
 
 def test_chart_is_a_png(tmp_path):
-    chart = tmp_path / "tiers.png"
+    chart = tmp_path / "plans.png"
     assert main(["plan", "meta-llama/Llama-3.2-1B", "--budget", "16GiB", "--chart", str(chart)]) == 0
     assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--gpus", "0"], "--gpus"), (["--budget", "0"], "--budget"), (["--gpu", "GTX 9999"], "RTX 4090"),
+    (["--method", "qlora", "--quant", "none"], "quant"),
+    (["--optimizer-in-backward", "--set", "max_grad_norm=1.0"], "max_grad_norm"),
+    (["--write-config", "no/such/dir/x.yaml"], "does not exist"),
+])
+def test_bad_options_are_one_clear_error(args, message, capsys):
+    assert main(["plan", "memfit/tiny-llama", "--budget", "1GiB", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
 
 
 def test_unknown_hub_id_offline_says_so_and_suggests_presets():

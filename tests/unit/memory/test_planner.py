@@ -1,4 +1,4 @@
-"""The planner: tiers against a budget, the largest batch that fits, the cost model, budget resolution."""
+"""The planner: the search against a budget, its limits and options, the cost model, budget resolution."""
 
 from __future__ import annotations
 
@@ -6,70 +6,136 @@ import pytest
 
 from memfit.config import load_config
 from memfit.errors import MemfitError
-from memfit.memory.analytic import analytic_estimate, device_total_bytes, model_shape
-from memfit.memory.planner import plan, resolve_budget, step_seconds
+from memfit.memory.analytic import analytic_estimate, device_total_bytes, model_shape, optimizer_state_bytes
+from memfit.memory.costs import OPTIMIZERS, step_time
+from memfit.memory.gpus import find_gpu
+from memfit.memory.planner import plan, resolve_budget
+from memfit.memory.search import TIE, fidelity_rank
 from memfit.models.presets import load_preset_config
 
 GiB = 2**30
 LLAMA7 = "meta-llama/Llama-2-7b-hf"
+LLAMA8 = "meta-llama/Llama-3.1-8B"
 
 
 def test_without_budget_only_the_described_run_is_estimated():
     result = plan(LLAMA7, load_config(None, ["precision=bf16-mixed"]))
-    assert result.tiers == [] and result.recommendation is None
+    assert result.search is None and result.recommendation is None
     assert result.estimate.peak_allocated_bytes > 16 * 6.7e9  # 16 B per parameter of model states alone
-    assert "tiers" not in result.to_dict()
+    assert "families" not in result.to_dict()
 
 
-def test_7b_on_24gib_recommends_qlora_and_says_why_tier_1_does_not_fit():
-    result = plan(LLAMA7, load_config(None, ["micro_batch=4", "seq_len=1024"]), 24 * GiB)
-    tier1, tier2, tier3 = result.tiers
-    assert not tier1.fits and "does not fit" in tier1.reason and "GiB" in tier1.reason
-    assert tier2.fits
-    assert not tier3.available and "gpus" in tier3.reason  # one GPU: nothing to shard over
-    rec = result.recommendation
-    assert rec.cfg.method == "qlora" and rec.device_bytes <= 24 * GiB
-    # the tokens per optimizer step stay what the user asked for
-    assert rec.cfg.micro_batch * rec.cfg.grad_accum == 4
+def _user(*overrides):
+    return load_config(None, [f"model={LLAMA8}", *overrides])
 
 
-def test_largest_micro_batch_is_the_largest_that_fits():
-    cfg = load_config(None, ["seq_len=2048"])
-    budget = 24 * GiB
-    tier2 = plan(LLAMA7, cfg, budget).tiers[1]
-    assert tier2.max_micro_batch >= 1
-    lean = tier2.best.cfg if tier2.best else cfg
-    config = load_preset_config(LLAMA7)
-
-    def total(mb):
-        leanest = lean.model_copy(update={"micro_batch": mb, "grad_accum": 1, "checkpointing": "full"})
-        return device_total_bytes(analytic_estimate(leanest, config))
-
-    assert total(tier2.max_micro_batch) <= budget < total(tier2.max_micro_batch + 1)
+def test_8b_at_8k_tokens_fits_24gib_with_the_margin_and_says_why_full_does_not():
+    result = plan(LLAMA8, _user("seq_len=8192", "micro_batch=1"), 24 * GiB, host_ram=64 * GiB)
+    found, rec = result.search, result.recommendation
+    assert rec is not None and rec.device_bytes + found.margin_bytes <= 24 * GiB
+    assert rec.device_bytes <= 23 * GiB and found.margin_bytes >= GiB
+    full = next(f for f in found.families if f.name == "full")
+    assert not full.fits and "misses the budget by" in full.reason and "GiB" in full.reason
+    assert rec.cfg.seq_len == 8192 and rec.cfg.micro_batch * rec.cfg.grad_accum == 1
 
 
-def test_nothing_fits_a_tiny_budget():
+def test_the_recommendation_is_the_fastest_fit_unless_a_plan_within_the_tie_gives_up_less():
+    found = plan(LLAMA8, _user("seq_len=2048", "micro_batch=4"), 24 * GiB, host_ram=64 * GiB).search
+    fastest = min(c.step_seconds for c in found.pareto)
+    assert found.chosen.step_seconds <= fastest * (1 + TIE)
+    assert all(fidelity_rank(found.chosen.cfg) <= fidelity_rank(c.cfg) for c in found.pareto
+               if c.step_seconds <= fastest * (1 + TIE))
+    memory = [c.device_bytes for c in found.pareto if c is not found.chosen]
+    assert memory == sorted(memory, reverse=True)  # each listed plan needs less than every faster one
+
+
+def test_user_options_hold_and_exclude_other_families():
+    found = plan(LLAMA8, _user("method=qlora", "seq_len=2048", "micro_batch=1", "optimizer=adamw"),
+                 24 * GiB, host_ram=64 * GiB).search
+    assert found.chosen.cfg.method == "qlora" and found.chosen.cfg.optimizer == "adamw"
+    assert all(c.cfg.method == "qlora" for c in found.pareto)
+    full = next(f for f in found.families if f.name == "full")
+    assert "excluded by your option" in full.reason and "method=qlora" in full.reason
+
+
+def test_full_fine_tuning_of_8b_on_one_24gib_gpu_states_its_host_ram():
+    found = plan(LLAMA8, _user("method=full", "seq_len=2048", "micro_batch=1"), 24 * GiB, host_ram=256 * GiB).search
+    assert found.chosen.cfg.method == "full" and found.chosen.device_bytes + found.margin_bytes <= 24 * GiB
+    assert found.chosen.estimate.cpu_ram_bytes > 16 * GiB  # at least the 16-bit model on the loading path
+
+
+def test_host_ram_limit_rejects_plans_that_park_too_much_in_host_memory():
+    found = plan(LLAMA8, _user("method=qlora", "seq_len=65536", "micro_batch=1"), 24 * GiB, host_ram=16 * GiB).search
+    qlora = next(f for f in found.families if f.name == "QLoRA")
+    assert not qlora.fits and "host RAM" in qlora.reason and found.chosen is None
+    roomy = plan(LLAMA8, _user("method=qlora", "seq_len=65536", "micro_batch=1"), 24 * GiB,
+                 host_ram=128 * GiB, max_seq_len=True).search
+    assert roomy.chosen is not None and roomy.chosen.cfg.activation_offload
+    assert roomy.max_seq_len >= 65536
+
+
+def test_longest_sequence_is_the_longest_that_fits():
+    found = plan(LLAMA8, _user("method=qlora", "seq_len=4096", "micro_batch=1"), 24 * GiB, host_ram=64 * GiB,
+                 max_seq_len=True, max_micro_batch=True).search
+    config = load_preset_config(LLAMA8)
+    one = found.chosen.cfg.model_copy(update={"micro_batch": 1, "grad_accum": 1})
+
+    def total(seq):
+        return device_total_bytes(analytic_estimate(one.model_copy(update={"seq_len": seq}), config))
+
+    limit = 24 * GiB - found.margin_bytes
+    assert total(found.max_seq_len) <= limit < total(found.max_seq_len + 1)
+    assert found.max_micro_batch >= 1
+
+
+def test_nothing_fits_a_tiny_budget_and_each_family_says_by_how_much():
     result = plan(LLAMA7, load_config(None, []), 1 * GiB)
     assert result.recommendation is None
-    assert all(not t.fits for t in result.tiers)
+    misses = [f for f in result.search.families if "misses the budget by" in f.reason]
+    assert misses and all(not f.fits for f in result.search.families)
 
 
-def test_sharding_tier_with_several_gpus_divides_the_model_states():
-    result = plan(LLAMA7, load_config(None, ["micro_batch=1", "seq_len=512"]), 40 * GiB, gpus=8)
-    tier3 = result.tiers[2]
-    assert tier3.available and tier3.fits
-    assert tier3.best.cfg.sharding in ("zero2", "zero3")
+def test_several_gpus_shard_and_70b_fits_8_gpus_of_80gib():
+    found = plan("meta-llama/Llama-3.1-70B", load_config(None, ["seq_len=4096", "micro_batch=1"]), 80 * GiB,
+                 gpus=8, host_ram=2048 * GiB).search
+    assert found.chosen is not None and found.chosen.device_bytes + found.margin_bytes <= 80 * GiB
+    cfg = found.chosen.cfg
+    assert cfg.sharding != "none" or cfg.tensor_parallel == 8 or cfg.pipeline_parallel == 8
 
 
-def test_cost_model_charges_recomputation_and_dequantization():
+@pytest.mark.parametrize("kwargs, message", [(dict(gpus=0), "--gpus"), (dict(gpus=-2), "--gpus"),
+                                             (dict(budget_bytes=0), "--budget"), (dict(gpu="GTX 9999"), "RTX 4090")])
+def test_bad_plan_options_are_clear_errors(kwargs, message):
+    with pytest.raises(MemfitError, match=message):
+        plan(LLAMA7, load_config(None, []), **{"budget_bytes": 24 * GiB, **kwargs})
+
+
+def test_cost_model_charges_recomputation_dequantization_and_offload():
     shape = model_shape(load_preset_config(LLAMA7))
-    base = load_config(None, ["precision=bf16-mixed", "micro_batch=4", "seq_len=1024"])
-    ckpt = base.model_copy(update={"checkpointing": "full"})
-    assert step_seconds(shape, ckpt) == pytest.approx(step_seconds(shape, base) * 4 / 3, rel=0.05)  # +1 forward of 3
-    lora = load_config(None, ["method=lora", "precision=bf16-mixed", "micro_batch=4", "seq_len=1024"])
-    qlora = load_config(None, ["method=qlora", "precision=bf16-mixed", "micro_batch=4", "seq_len=1024"])
-    assert step_seconds(shape, qlora) > step_seconds(shape, lora)
-    assert step_seconds(shape, lora) < step_seconds(shape, base)  # no weight gradients of the frozen base
+    gpu = find_gpu("RTX 4090")
+
+    def seconds(*overrides):
+        return sum(step_time(shape, load_config(None, ["precision=bf16-mixed", "micro_batch=4", "seq_len=1024",
+                                                       *overrides]), gpu).values())
+
+    compute = step_time(shape, load_config(None, ["precision=bf16-mixed", "micro_batch=4", "seq_len=1024"]),
+                        gpu)["compute"]
+    ckpt = step_time(shape, load_config(None, ["precision=bf16-mixed", "micro_batch=4", "seq_len=1024",
+                                               "checkpointing=full"]), gpu)["compute"]
+    assert ckpt == pytest.approx(compute * 4 / 3, rel=0.01)  # +1 forward of 3
+    assert seconds("method=qlora") > seconds("method=lora")
+    assert seconds("method=lora") < seconds()  # no weight gradients of the frozen base
+    assert seconds("chunked_loss=true") > seconds()
+    assert seconds("sharding=zero3", "offload=all") > seconds("sharding=zero3")
+
+
+def test_estimate_and_speed_model_read_one_optimizer_table():
+    shape = model_shape(load_preset_config(LLAMA7))
+    for name, cost in OPTIMIZERS.items():
+        if name == "adafactor":
+            continue
+        cfg = load_config(None, ["method=full", f"optimizer={name}"])
+        assert optimizer_state_bytes(shape, cfg) == pytest.approx(shape.total_params * cost.state_bytes_fp32, rel=1e-6)
 
 
 def test_resolve_budget_is_a_no_op_without_budget(tiny_config):

@@ -1,0 +1,353 @@
+"""The planner's search: every strategy mix the trainer can run, the fastest that fits the budget.
+
+A family is a method (full, LoRA, LoRA on an 8-bit base, QLoRA) with its engine (one process, FSDP2
+CPU offload, or with several GPUs DDP / ZeRO / tensor / pipeline parallel). Inside a family the search
+varies precision, optimizer, checkpointing, chunked loss, activation offload, optimizer-in-backward
+and the micro_batch x grad_accum split of the user's sequences per step. Options the user gave stay
+fixed. Every candidate is checked by the trainer's own config rules, scored by the analytic
+estimate (fractions of a millisecond) and, if it fits with the margin, by the step-time model of
+memory/costs.py.
+
+Pruning: a family's leanest member (every memory saver on, micro_batch 1) is estimated first; if
+even that misses the budget the family is rejected with the amount it misses, without enumerating it.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from memfit.config import RunConfig
+from memfit.memory.analytic import activation_bytes, analytic_estimate, device_total_bytes
+from memfit.memory.costs import METHOD_GIVES_UP, OPTIMIZERS, PRECISION_GIVES_UP, QUANTS, step_time
+from memfit.memory.estimate import Estimate
+from memfit.memory.gpus import GPU
+from memfit.memory.model_shape import ModelShape, model_shape
+
+GiB = 2**30
+CHECKPOINTING = ("none", "every-4", "every-2", "full")
+OPTIMIZERS_SEARCHED = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion-8bit")
+PRECISIONS_SEARCHED = ("bf16-mixed", "bf16-pure")  # fp16-mixed and fp32 only when asked for
+TIE = 0.05  # plans within 5% of the fastest step time count as equally fast: fidelity decides
+# fields the search may choose; a field the user set is held fixed
+SEARCHED = ("method", "quant", "precision", "optimizer", "checkpointing", "chunked_loss", "activation_offload",
+            "optimizer_in_backward", "sharding", "offload", "tensor_parallel", "pipeline_parallel", "max_grad_norm")
+# the per-rank estimate (memory/distributed_estimate.py) does not model these yet: off in sharded families
+UNMODELLED_SHARDED = dict(chunked_loss=False, activation_offload=False)
+# micro_batch x grad_accum is always re-split, holding the sequences per optimizer step the user asked for
+
+
+def default_margin(budget: int) -> int:
+    """Headroom kept free: 5% of the budget (the estimate's error against the tracker is -6%..+2%),
+    at least 1 GiB on a card of 10 GiB or more (fragmentation, a second process)."""
+    return int(max(0.05 * budget, min(GiB, 0.1 * budget)))
+
+
+@dataclass
+class Candidate:
+    cfg: RunConfig
+    family: str
+    estimate: Estimate
+    device_bytes: int          # what the GPU must hold (nvidia-smi): reserved + CUDA context
+    step_seconds: float = 0.0
+    tokens_per_second: float = 0.0
+    time_terms: dict = field(default_factory=dict)
+
+    @property
+    def gives_up(self) -> list[str]:
+        return gives_up(self.cfg)
+
+    def to_dict(self) -> dict:
+        return {"family": self.family, "config": config_summary(self.cfg), "device_bytes": self.device_bytes,
+                "peak_reserved_bytes": self.estimate.peak_reserved_bytes, "cpu_ram_bytes": self.estimate.cpu_ram_bytes,
+                "step_seconds": round(self.step_seconds, 4), "tokens_per_second": round(self.tokens_per_second, 1),
+                "gives_up": self.gives_up}
+
+
+@dataclass
+class FamilyResult:
+    name: str
+    fits: bool
+    reason: str
+    best: Candidate | None = None      # the fastest fit, else the leanest member (how close it came)
+    max_micro_batch: int | None = None  # at the requested seq_len (with --max-micro-batch)
+    max_seq_len: int | None = None      # at micro_batch 1 (with --max-seq-len)
+
+    def to_dict(self) -> dict:
+        out = {"family": self.name, "fits": self.fits, "reason": self.reason,
+               "max_micro_batch": self.max_micro_batch, "max_seq_len": self.max_seq_len}
+        if self.best is not None:
+            out["best"] = self.best.to_dict()
+        return out
+
+
+@dataclass
+class SearchResult:
+    budget_bytes: int
+    margin_bytes: int
+    gpu: GPU
+    families: list[FamilyResult]
+    pareto: list[Candidate]            # fastest first; each smaller than every faster one
+    chosen: Candidate | None
+    evaluated: int                     # candidates estimated
+    host_ram: int | None = None        # the host RAM limit plans were held to
+    max_micro_batch: int | None = None  # of the chosen plan
+    max_seq_len: int | None = None
+
+
+def config_summary(cfg: RunConfig) -> dict:
+    keys = ("method", "quant", "precision", "optimizer", "checkpointing", "chunked_loss", "activation_offload",
+            "optimizer_in_backward", "attention", "micro_batch", "grad_accum", "seq_len")
+    out = {k: getattr(cfg, k) for k in keys}
+    for key in ("sharding", "offload", "tensor_parallel", "pipeline_parallel"):
+        if getattr(cfg, key) not in ("none", 1):
+            out[key] = getattr(cfg, key)
+    return out
+
+
+def gives_up(cfg: RunConfig) -> list[str]:
+    """What a plan trades against full fine-tuning in bf16-mixed with AdamW and clipping."""
+    out = [METHOD_GIVES_UP[cfg.method], QUANTS[cfg.quant].gives_up, PRECISION_GIVES_UP[cfg.precision],
+           OPTIMIZERS[cfg.optimizer].gives_up]
+    if cfg.max_grad_norm is None:
+        out.append("no gradient clipping")
+    return [item for item in out if item]
+
+
+def fidelity_rank(cfg: RunConfig) -> tuple:
+    """Lower is closer to full fine-tuning: method first (full > LoRA > 8-bit base > 4-bit base)."""
+    method = {"full": 0, "lora": 1, "qlora": 3}[cfg.method] + (1 if cfg.quant == "int8" else 0)
+    return method, len(gives_up(cfg))
+
+
+# --- the space ------------------------------------------------------------------------------------------
+def families(cfg: RunConfig, gpus: int, device: str) -> list[tuple[str, dict]]:
+    """(name, fields) of every method x engine family this run may use."""
+    methods = [("full", dict(method="full", quant="none")), ("LoRA", dict(method="lora", quant="none")),
+               ("LoRA, 8-bit base", dict(method="lora", quant="int8")),
+               ("QLoRA", dict(method="qlora", quant="nf4-dq"))]
+    out = []
+    for name, fields in methods:
+        if gpus == 1:
+            out.append((name, dict(fields, sharding="none", offload="none")))
+            if fields["method"] == "full" and device == "cuda":
+                out.append((name + " + CPU offload (FSDP2, one process)",
+                            dict(fields, sharding="zero3", offload="all", **UNMODELLED_SHARDED)))
+            continue
+        engines = [("DDP", dict(sharding="ddp"))]
+        if fields["quant"] == "none":
+            engines += [("ZeRO-2", dict(sharding="zero2")), ("ZeRO-3", dict(sharding="zero3"))]
+        if fields["method"] == "full":
+            engines += [("ZeRO-1", dict(sharding="zero1")),
+                        ("ZeRO-3 + CPU offload", dict(sharding="zero3", offload="all")),
+                        (f"tensor parallel {gpus}", dict(sharding="none", tensor_parallel=gpus)),
+                        (f"pipeline parallel {gpus}", dict(sharding="none", pipeline_parallel=gpus, max_grad_norm=None))]
+        for engine, extra in engines:
+            out.append((f"{name}, {engine}", dict(fields, **{"offload": "none", "tensor_parallel": 1,
+                                                            "pipeline_parallel": 1, **extra}, **UNMODELLED_SHARDED)))
+    return out
+
+
+def _fixed(cfg: RunConfig, fixed: set[str]) -> dict:
+    return {k: getattr(cfg, k) for k in fixed}
+
+
+def _choices(cfg: RunConfig, device: str) -> dict[str, tuple]:
+    """The values each inner dimension takes."""
+    return {"precision": PRECISIONS_SEARCHED, "optimizer": OPTIMIZERS_SEARCHED, "checkpointing": CHECKPOINTING,
+            "chunked_loss": (False, True), "activation_offload": (False, True) if device == "cuda" else (False,),
+            "optimizer_in_backward": (False, True)}
+
+
+def _batch_shapes(sequences: int) -> list[tuple[int, int]]:
+    """(micro_batch, grad_accum) pairs holding the user's sequences per optimizer step."""
+    shapes = [(m, sequences // m) for m in (1 << k for k in range(sequences.bit_length())) if sequences % m == 0]
+    return shapes if (sequences, 1) in shapes else shapes + [(sequences, 1)]
+
+
+def sequences_per_step(cfg: RunConfig) -> int:
+    return (cfg.micro_batch if isinstance(cfg.micro_batch, int) else 1) * cfg.grad_accum
+
+
+def _problems(cfg: RunConfig, model_config, gpus: int) -> list[str]:
+    """The trainer's own rules for a combination (the same functions build_config runs)."""
+    from memfit.distributed.validate import config_problems, launch_problems
+    from memfit.strategies.optimizer_in_backward import in_backward_problems
+    from memfit.strategies.optimizers import optimizer_problems
+    from memfit.strategies.quantization import quant_problems
+
+    problems = config_problems(cfg) + quant_problems(cfg) + in_backward_problems(cfg) + optimizer_problems(cfg)
+    if gpus > 1 or cfg.tensor_parallel > 1 or cfg.pipeline_parallel > 1:
+        problems += launch_problems(cfg, gpus, model_config)
+    return problems
+
+
+def _members(base: RunConfig, family: dict, fixed: dict, sequences: int, device: str):
+    """Every valid-looking config of one family (the trainer's rules are checked by the caller)."""
+    dims = {k: v for k, v in _choices(base, device).items() if k not in fixed and k not in family}
+    shapes = _batch_shapes(sequences)
+    keys = list(dims)
+    for values in itertools.product(*(dims[k] for k in keys)):
+        chosen = dict(zip(keys, values))
+        in_backward = chosen.get("optimizer_in_backward", fixed.get("optimizer_in_backward", base.optimizer_in_backward))
+        for mb, ga in shapes:
+            if in_backward and ga != 1:
+                continue
+            update = dict(family, **chosen, micro_batch=mb, grad_accum=ga, budget=None)
+            if in_backward and "max_grad_norm" not in fixed:
+                update["max_grad_norm"] = None
+            update.update(fixed)
+            yield base.model_copy(update=update)
+
+
+# --- scoring ----------------------------------------------------------------------------------------------
+class _Scorer:
+    def __init__(self, model_config, shape: ModelShape, gpu: GPU, gpus: int, device: str, limit: int,
+                 host_ram: int | None):
+        self.model_config, self.shape, self.gpu, self.gpus, self.device = model_config, shape, gpu, gpus, device
+        self.limit = limit  # budget - margin
+        self.host_ram = host_ram
+        self.count = 0
+
+    def memory(self, cfg: RunConfig, family: str) -> Candidate:
+        self.count += 1
+        est = analytic_estimate(cfg, self.model_config, device=self.device, gpus=self.gpus)
+        return Candidate(cfg, family, est, device_total_bytes(est))
+
+    def fits(self, c: Candidate) -> bool:
+        return c.device_bytes <= self.limit and (self.host_ram is None or c.estimate.cpu_ram_bytes <= self.host_ram)
+
+    def timed(self, c: Candidate) -> Candidate:
+        cfg = c.cfg
+        saved = activation_bytes(self.shape, cfg) if cfg.activation_offload else 0
+        c.time_terms = step_time(self.shape, cfg, self.gpu, self.gpus, saved)
+        c.step_seconds = sum(c.time_terms.values())
+        data_parallel = max(self.gpus // (cfg.tensor_parallel * cfg.pipeline_parallel), 1)
+        c.tokens_per_second = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * data_parallel / c.step_seconds
+        return c
+
+
+def _leanest(base: RunConfig, family: dict, fixed: dict, device: str) -> list[RunConfig]:
+    """The family's most memory-saving settings at micro_batch 1 (a few, as no one optimizer is smallest
+    for every model): the pre-check that rejects a whole family with one or two estimates."""
+    out = []
+    for optimizer, in_backward, offload in itertools.product(("adafactor", "lion-8bit"), (True, False),
+                                                              {False, device == "cuda"}):
+        savers = dict(precision="bf16-pure", checkpointing="full", chunked_loss=True, activation_offload=offload)
+        update = dict(savers, optimizer=optimizer, optimizer_in_backward=in_backward, micro_batch=1, grad_accum=1,
+                      budget=None, **family)
+        if in_backward:
+            update["max_grad_norm"] = None
+        update.update(fixed)
+        out.append(base.model_copy(update=update))
+    return out
+
+
+def _largest(fits, low: int, high: int) -> int:
+    """Largest value in [low, high] for which fits(value) holds (fits is monotone); 0 if none."""
+    if not fits(low):
+        return 0
+    while low < high:
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
+
+
+def _limit_of(cfg: RunConfig, scorer: _Scorer, family: str, field_name: str, high: int) -> int:
+    def fits(value: int) -> bool:
+        update = {field_name: value}
+        if field_name == "micro_batch":
+            update["grad_accum"] = 1
+        return scorer.fits(scorer.memory(cfg.model_copy(update=update), family))
+    return _largest(fits, 1 if field_name == "micro_batch" else 8, high)
+
+
+def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, device: str = "cuda",
+           fixed_fields: set[str] = frozenset(), margin: int | None = None, max_micro_batch: bool = False,
+           max_seq_len: bool = False, host_ram: int | None = None) -> SearchResult:
+    """Search every family for the fastest plan whose whole-GPU memory + margin fits the budget
+    (and whose host RAM fits `host_ram`, when given)."""
+    from memfit.memory.report import format_bytes
+
+    shape = model_shape(model_config)
+    margin = default_margin(budget) if margin is None else margin
+    scorer = _Scorer(model_config, shape, gpu, gpus, device, budget - margin, host_ram)
+    fixed = _fixed(base, set(fixed_fields) & set(SEARCHED))
+    sequences = sequences_per_step(base)
+    seq_limit = int(getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", 4096))
+    results, fitting = [], []
+    for name, family in families(base, gpus, device):
+        if any(k in family and family[k] != v for k, v in fixed.items()):
+            given = ", ".join(f"{k}={v}" for k, v in fixed.items() if k in family and family[k] != v)
+            results.append(FamilyResult(name, False, f"excluded by your option(s) {given}"))
+            continue
+        lean = []
+        for cfg in _leanest(base, family, fixed, device):
+            if not _problems(cfg, model_config, gpus):
+                lean.append(scorer.memory(cfg, name))
+        if not lean:
+            problem = _problems(_leanest(base, family, fixed, device)[0], model_config, gpus)[0]
+            results.append(FamilyResult(name, False, f"not runnable: {problem}"))
+            continue
+        leanest = min(lean, key=lambda c: (not scorer.fits(c), c.device_bytes))
+        if leanest.device_bytes <= scorer.limit and not scorer.fits(leanest):
+            results.append(FamilyResult(name, False, f"its leanest plan needs {format_bytes(leanest.estimate.cpu_ram_bytes)}"
+                                                     f" of host RAM; --host-ram is {format_bytes(host_ram)}", leanest))
+            continue
+        if not scorer.fits(leanest):
+            top = max(leanest.estimate.by_category.items(), key=lambda kv: kv[1])
+            results.append(FamilyResult(
+                name, False, f"needs at least {format_bytes(leanest.device_bytes)} (largest: "
+                f"{top[0].replace('_', ' ')} {format_bytes(top[1])}) + margin {format_bytes(margin)}: misses the "
+                f"budget by {format_bytes(leanest.device_bytes + margin - budget)}", leanest))
+            continue
+        members = [scorer.timed(c) for cfg in _members(base, family, fixed, sequences, device)
+                   if not _problems(cfg, model_config, gpus) and scorer.fits(c := scorer.memory(cfg, name))]
+        if not members:  # the lean pre-check fits, but not at the user's sequences per step
+            results.append(FamilyResult(name, False, f"fits only with other batch settings; leanest "
+                                                     f"{format_bytes(leanest.device_bytes)}", leanest))
+            continue
+        best = _prefer_fidelity(members)
+        fitting += members
+        results.append(FamilyResult(name, True, f"fits: {format_bytes(best.device_bytes)} + margin "
+                                                f"{format_bytes(margin)} of {format_bytes(budget)}", best))
+        if max_micro_batch:
+            results[-1].max_micro_batch = _limit_of(_lean_like(best.cfg, leanest.cfg), scorer, name, "micro_batch", 4096)
+        if max_seq_len:
+            results[-1].max_seq_len = _limit_of(leanest.cfg, scorer, name, "seq_len", seq_limit)
+    chosen = _prefer_fidelity(fitting) if fitting else None
+    result = SearchResult(budget, margin, gpu, results, pareto(fitting, chosen), chosen, scorer.count, host_ram)
+    if chosen is not None:
+        if max_micro_batch:
+            result.max_micro_batch = _limit_of(chosen.cfg, scorer, chosen.family, "micro_batch", 4096)
+        if max_seq_len:
+            one = chosen.cfg.model_copy(update={"micro_batch": 1, "grad_accum": 1})
+            result.max_seq_len = _limit_of(one, scorer, chosen.family, "seq_len", seq_limit)
+        result.evaluated = scorer.count
+    return result
+
+
+def _lean_like(best: RunConfig, lean: RunConfig) -> RunConfig:
+    """The leanest settings, for the largest micro-batch a family can take at the requested seq_len."""
+    return lean.model_copy(update={"seq_len": best.seq_len})
+
+
+def _prefer_fidelity(candidates: list[Candidate]) -> Candidate:
+    """The fastest; among plans within TIE of it, the one that gives up least."""
+    fastest = min(c.step_seconds for c in candidates)
+    close = [c for c in candidates if c.step_seconds <= fastest * (1 + TIE)]
+    return min(close, key=lambda c: (fidelity_rank(c.cfg), c.step_seconds))
+
+
+def pareto(candidates: list[Candidate], chosen: Candidate | None = None, keep: int = 8) -> list[Candidate]:
+    """Fastest first; a plan stays only if it needs less memory than every faster one. The chosen
+    plan is always listed (it may be a slightly slower plan that gives up less)."""
+    front, smallest = [], None
+    for c in sorted(candidates, key=lambda c: (c.step_seconds, c.device_bytes)):
+        if c is chosen or smallest is None or c.device_bytes < smallest:
+            front.append(c)
+            smallest = c.device_bytes if smallest is None else min(smallest, c.device_bytes)
+    shown = front[:keep]
+    if chosen is not None and chosen not in shown:
+        shown = sorted(shown[:keep - 1] + [chosen], key=lambda c: c.step_seconds)
+    return shown
