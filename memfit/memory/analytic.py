@@ -362,10 +362,27 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
         ram["training_state"] = allocated
     ram = node_cpu_ram(ram, shape, cfg, gpus, device)  # per node: every rank's runtime, data, offload
     notes = [f"peak at {where.replace('_', ' ')}"]
+    phases = {}
     if device == "cuda":
         notes.append("nvidia-smi would show peak_reserved_bytes + cuda_context")
+        if gpus == 1 and cfg.sharding == "none":
+            phases = _phases(shape, cfg, reserved, by_category, ram)
+            top = max(phases, key=lambda name: phases[name]["gpu"])
+            if top != "step":
+                notes.append(f"the run's GPU peak is the {top.replace('_', ' ')} phase, not the step")
     return Estimate(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved, by_category=by_category,
-                    overheads=overheads, cpu_ram_bytes=int(sum(ram.values())), engine="analytic", notes=notes)
+                    overheads=overheads, cpu_ram_bytes=int(sum(ram.values())), engine="analytic", notes=notes,
+                    phases=phases)
+
+
+def _phases(shape: ModelShape, cfg: RunConfig, reserved: int, by_category: dict, ram: dict) -> dict:
+    """Load, step, checkpoint save (and merge) peaks of a single-GPU run (memory/phases.py)."""
+    from memfit.memory.phases import phase_peaks
+
+    base = ram["runtime"] + ram.get("data", 0)
+    step_ram = sum(v for k, v in ram.items() if k != "model_load")
+    return phase_peaks(shape, cfg, reserved, step_ram, weights_bytes(shape, cfg), optimizer_state_bytes(shape, cfg),
+                       ram.get("model_load", 0), base)
 
 
 # --- chunked loss, optimizer step in backward, activation offload ------------------------------------------
@@ -417,7 +434,9 @@ def beyond_basics_terms(candidates: dict[str, dict[str, int]], shape: ModelShape
 
 
 def device_total_bytes(estimate: Estimate) -> int:
-    """What the whole GPU must hold (nvidia-smi): the allocator's reserve, the CUDA context, and
-    paged optimizer states (unified memory, resident on the GPU while the step runs)."""
-    return (estimate.peak_reserved_bytes + estimate.overheads.get("cuda_context", 0)
-            + estimate.overheads.get("paged_optimizer_states", 0))
+    """What the whole GPU must hold (nvidia-smi) at the run's peak: the step's reserve and paged
+    optimizer states (unified memory, resident on the GPU while the step runs), or a larger phase
+    (loading, checkpoint save), plus the CUDA context."""
+    step = estimate.peak_reserved_bytes + estimate.overheads.get("paged_optimizer_states", 0)
+    other = max((p["gpu"] for name, p in estimate.phases.items() if name != "step"), default=0)
+    return max(step, other) + estimate.overheads.get("cuda_context", 0)

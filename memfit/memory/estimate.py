@@ -19,6 +19,8 @@ class Estimate:
     overheads              named terms the tracker cannot see (e.g. "cuda_context"), bytes
     cpu_ram_bytes          host RAM: loading path, data side, anything offloaded
     engine                 "traced" or "analytic"
+    phases                 per phase (load, step, checkpoint_save, merge): {"gpu": bytes, "cpu_ram": bytes}
+                           on a single CUDA device (memory/phases.py); empty otherwise
     """
 
     peak_allocated_bytes: int
@@ -28,6 +30,7 @@ class Estimate:
     cpu_ram_bytes: int = 0
     engine: str = "analytic"
     notes: list[str] = field(default_factory=list)
+    phases: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

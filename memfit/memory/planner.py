@@ -256,6 +256,11 @@ def plan_text(result: Plan) -> str:
         lines.append(f"  {'= reserved peak (max_memory_reserved)':<34}{_gib(est.peak_reserved_bytes)} GiB")
         lines.append(f"  {'= whole GPU (nvidia-smi)':<34}{_gib(result.device_bytes)} GiB")
     lines.append(f"Predicted CPU RAM (loading path, data, offload): {_gib(est.cpu_ram_bytes).strip()} GiB")
+    if est.phases:
+        top = max(est.phases, key=lambda name: est.phases[name]["gpu"])
+        lines.append("Phases, GPU tensors / host RAM (GiB): " + ", ".join(
+            f"{name.replace('_', ' ')} {p['gpu'] / 2**30:.2f} / {p['cpu_ram'] / 2**30:.2f}"
+            for name, p in est.phases.items()) + f"; the GPU peak is set by: {top.replace('_', ' ')}")
     lines += [f"note: {n}" for n in est.notes]
     if result.search is None:
         return "\n".join(lines)
