@@ -40,7 +40,8 @@ def parse_bytes(text: str) -> int:
 @dataclass
 class MemoryReport:
     """Peak memory of a run. `measured_*` come from the tracker (and CUDA on GPU), `estimated_*`
-    from the planner when one was made."""
+    from the planner when one was made: for `estimated_shape` (the batch the measured peak ran on,
+    so both sides see the same tensors), with the full-length plan as `worst_case_*`."""
 
     measured_peak_bytes: int = 0
     measured_by_category: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
@@ -49,6 +50,9 @@ class MemoryReport:
     cuda_max_allocated_bytes: int | None = None
     cuda_max_reserved_bytes: int | None = None
     process_peak_rss_bytes: int | None = None
+    estimated_shape: dict[str, int] | None = None  # micro_batch, seq_len (tokens as padded), grad_accum
+    worst_case_seq_len: int | None = None
+    worst_case_peak_bytes: int | None = None
     notes: list[str] = field(default_factory=list)
 
     def to_json(self) -> str:
@@ -66,6 +70,7 @@ class MemoryReport:
                 error = f"{(estimated - measured) / measured:+.1%}" if measured and estimated is not None else "-"
                 line += f"{format_bytes(estimated):>14}{error:>9}"
             lines.append(line)
+        lines.extend(self._estimate_lines())
         if self.cuda_max_allocated_bytes is not None:
             lines.append(f"torch.cuda.max_memory_allocated: {format_bytes(self.cuda_max_allocated_bytes)}")
             lines.append(f"torch.cuda.max_memory_reserved:  {format_bytes(self.cuda_max_reserved_bytes)}")
@@ -74,3 +79,15 @@ class MemoryReport:
                          f"{format_bytes(self.process_peak_rss_bytes)}")
         lines.extend(self.notes)
         return "\n".join(lines)
+
+    def _estimate_lines(self) -> list[str]:
+        shape = self.estimated_shape
+        if self.worst_case_peak_bytes is None:
+            return []
+        worst = f"worst case at seq_len {self.worst_case_seq_len}: {format_bytes(self.worst_case_peak_bytes)}"
+        if shape is None:  # no step measured: the estimate column is the worst case itself
+            return [f"estimated: the {worst} (every sequence full length)"]
+        accum = f", grad_accum {shape['grad_accum']}" if shape["grad_accum"] != 1 else ""
+        return [f"estimated for the batch at the measured peak: micro_batch {shape['micro_batch']} x "
+                f"{shape['seq_len']} tokens per sequence (padded to the batch's longest){accum}",
+                f"{worst} (the plan's step with every sequence full length)"]

@@ -30,7 +30,7 @@ from memfit.train.checkpoint import (CHECKPOINTS_DIR, discard_checkpoints, lates
                                      save_checkpoint)
 from memfit.train.schedule import make_scheduler
 from memfit.train.signals import StopOnSignal, TrainingStopped
-from memfit.train.oom import OomRecovery, make_tracker, resolve_micro_batch
+from memfit.train.oom import OomRecovery, make_tracker, resolve_micro_batch, split_batches
 from memfit.train.step import step_strategies, training_step
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,23 @@ RESUMABLE_CHANGES = {"resume", "overwrite", "max_steps", "save_every", "keep_che
 
 class NonFiniteError(MemfitError):
     """Too many steps in a row with NaN/inf loss or gradients."""
+
+
+@dataclass(frozen=True)
+class BatchShape:
+    """The micro-batches of the step where the measured peak happened: what its estimate is made for."""
+
+    micro_batch: int  # rows of the largest micro-batch
+    seq_len: int      # its tokens per row, as padded (to the longest example, not to cfg.seq_len)
+    grad_accum: int   # micro-batches in the step (more than configured after an OOM recovery)
+    padded: bool | None  # whether it holds padding (None: packed rows, left to the trace's default)
+
+    @classmethod
+    def of(cls, pieces: list[dict]) -> "BatchShape":
+        largest = max(pieces, key=lambda b: b["input_ids"].numel())
+        rows, length = largest["input_ids"].shape
+        mask = largest.get("attention_mask")
+        return cls(rows, length, len(pieces), None if mask is None else bool((mask == 0).any()))
 
 
 @dataclass
@@ -151,14 +168,18 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
                desc="training", unit="step", disable=not (progress and dist.is_main))
     with tracker, StopOnSignal() as stop, launch.main_only_file(dist, out / "metrics.jsonl") as metrics:
         tracker.tag_module(model)
+        peak_shape = None
         for step in bar:
             started = time.perf_counter()
+            peak_before = tracker.peak_bytes
             micro_batches = [{k: v.to(device) for k, v in stream.next_batch().items()} for _ in range(cfg.grad_accum)]
             for batch in micro_batches:
                 tracker.tag(batch.values(), "activations")
             result = oom.run(lambda pieces: training_step(
                 model, optimizer, pieces, precision, tracker, params, cfg.max_grad_norm,
                 target_count=launch.target_count(dist), **strategies), micro_batches, optimizer)
+            if tracker.peak_bytes > peak_before:  # the same pieces oom.run just trained on
+                peak_shape = BatchShape.of(split_batches(micro_batches, oom.micro_batch))
             result.loss = launch.mean_over_ranks(result.loss, dist)  # what one process would report
             lr = float(scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor (so compile does not retrace)
             scheduler.step()
@@ -199,9 +220,7 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
     report = measured_report(tracker, device)
     deepspeed_engine.note_memory(report, model)  # what the tracker cannot see inside DeepSpeed; else nothing
     if cfg.track_memory and not dist.enabled and not cfg.deepspeed:  # the plan beside the measurement (trace.py)
-        from memfit.memory.trace import add_traced_estimate
-
-        add_traced_estimate(report, cfg, device)
+        add_estimate(report, cfg, device, peak_shape)
     save_weights(model, tokenizer, out)  # sharded: gathered to rank 0, which writes ordinary files
     if dist.is_main:
         save_adapter_outputs(unwrap(model), cfg, out)  # random-init base next to the adapter; merged if merge: true
@@ -222,6 +241,34 @@ def measured_report(tracker, device: torch.device) -> MemoryReport:
         report.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated(device)
         report.cuda_max_reserved_bytes = torch.cuda.max_memory_reserved(device)
     return report
+
+
+def add_estimate(report: MemoryReport, cfg: RunConfig, device: torch.device, shape: BatchShape | None) -> None:
+    """Put the traced estimate beside the measurement, made for the batch shape the measured peak ran on:
+    real batches are padded to their longest example, so comparing them with the full-length plan would
+    mix a shape effect into the estimator's error. The full-length plan stays as the worst-case line.
+    An estimate is a side result: if tracing fails, the report says so instead of the run failing."""
+    from memfit.memory.trace import trace_estimate
+
+    try:
+        worst = trace_estimate(cfg, device=device.type)
+        at_peak = worst
+        if shape is not None:
+            measured = cfg.model_copy(update={"seq_len": shape.seq_len, "micro_batch": shape.micro_batch,
+                                              "grad_accum": shape.grad_accum})
+            default_padded = cfg.micro_batch > 1 or cfg.packing  # what the worst-case trace assumed
+            if measured != cfg or shape.padded not in (None, default_padded):
+                at_peak = trace_estimate(measured, device=device.type, padded=shape.padded)
+    except Exception as exc:  # noqa: BLE001 - never lose a finished training run to its estimate
+        log.warning("no traced estimate for this run: %s", exc)
+        report.notes.append(f"traced estimate unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        return
+    report.estimated_peak_bytes = at_peak.peak_allocated_bytes
+    report.estimated_by_category = dict(at_peak.by_category)
+    if shape is not None:
+        report.estimated_shape = {"micro_batch": shape.micro_batch, "seq_len": shape.seq_len,
+                                  "grad_accum": shape.grad_accum}
+    report.worst_case_seq_len, report.worst_case_peak_bytes = cfg.seq_len, worst.peak_allocated_bytes
 
 
 def save_model(model, tokenizer, out: Path) -> None:

@@ -1,0 +1,134 @@
+"""The planner's growth with seq_len against the tracker's: d(peak)/d(seq_len) per strategy combination.
+
+A constant error in the analytic estimate (a runtime buffer, a per-parameter term) hides the
+per-token terms at the lengths the unit tests use; the slope between two lengths isolates them.
+For each combination the tracker measures the peak of a real CPU training step (set up as
+train() does: memfit's model build, checkpointing, optimizer and step_strategies, so chunked_loss
+runs the real chunked loss) at three sequence lengths, and the slope (peak(L3) - peak(L1)) /
+(L3 - L1) must be within 10 % of the slope of analytic_estimate(..., device="cpu").
+
+activation_offload is not covered: on CPU it is a no-op (the saved tensors already live in host
+RAM) and beyond_basics_terms only applies it for device="cuda", so a CPU slope says nothing about it.
+
+The model is tiny-llama reshaped so that activations dominate the model states (4 layers, hidden 32,
+2 heads, intermediate 88, vocab 512: 66 k parameters): at micro_batch=2 and seq_len=1024 the part of
+the peak that grows with seq_len is 67-73 % of it (checked below), and every op stays cheap.
+Batches are synthetic full-length sequences (micro_batch x seq_len tokens, checked below), so
+the measured batch really is seq_len long (the shipped demo records are shorter than 1024 tokens).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from memfit.config import load_config
+from memfit.memory.analytic import analytic_estimate
+from memfit.memory.tracker import MemoryTracker
+from memfit.models.loading import build_model, load_model_config
+from memfit.models.presets import load_preset_config
+from memfit.strategies.adapters import apply_method
+from memfit.strategies.checkpointing import apply_checkpointing
+from memfit.strategies.optimizers import build_optimizer
+from memfit.strategies.precision import make_precision
+from memfit.train.step import step_strategies, training_step
+
+SEQ_LENS = (256, 512, 1024)
+MICRO_BATCH = 2
+TOLERANCE = 0.10
+
+COMBINATIONS = {
+    "fp32": [],
+    "bf16-mixed": ["precision=bf16-mixed"],
+    "checkpointing": ["checkpointing=full"],
+    "chunked_loss": ["chunked_loss=true"],
+    "checkpointing+chunked_loss": ["checkpointing=full", "chunked_loss=true"],
+}
+
+# Known analytic.py error (peak_candidates, "backward_last"; measured moment by moment on this model):
+# during the last layer's backward the estimate still counts the final norm's saved tensors and the
+# lm_head input (both freed before it), counts the down_proj input next to all three MLP gradient
+# buffers (down_proj's backward frees it before the third buffer exists) but not the fp32
+# residual-stream gradient, and, with the last layer checkpointed, counts that layer's input twice
+# (the checkpointed input and the recomputed layer's residual). It only shows once the loss buffers
+# no longer set the peak (chunked_loss) and checkpointing makes backward_last the peak: slope +16 %.
+# Strict: once peak_candidates is fixed this xpasses and fails; then remove the marker.
+KNOWN_WRONG = {"checkpointing+chunked_loss": "analytic backward_last overcounts the last layer's backward "
+                                              "(see the comment above KNOWN_WRONG)"}
+
+
+@pytest.fixture(scope="module")
+def wide_activation_model(tmp_path_factory):
+    """tiny-llama (4 layers) narrowed so that activations are large against its 66 k parameters."""
+    raw = json.loads(load_preset_config("memfit/tiny-llama").to_json_string())
+    raw.update(hidden_size=32, intermediate_size=88, num_attention_heads=2, num_key_value_heads=2, vocab_size=512,
+               max_position_embeddings=max(SEQ_LENS), bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    folder = tmp_path_factory.mktemp("wide_activations")
+    (folder / "config.json").write_text(json.dumps(raw))
+    return str(folder)
+
+
+def _config(words: list[str], model: str, seq_len: int):
+    return load_config(None, words + [f"model={model}", f"seq_len={seq_len}", f"micro_batch={MICRO_BATCH}",
+                                      "device=cpu", "max_grad_norm=1.0"])
+
+
+def measured_peaks(words: list[str], model: str) -> list[int]:
+    """Tracked peak of one real training step per seq_len, with the optimizer states already there.
+
+    One model per combination: a first short step creates the AdamW states (as in any step after
+    the first), then each length's step starts from the same resident state (weights + states)."""
+    cfg = _config(words, model, SEQ_LENS[0])
+    device = torch.device("cpu")
+    torch.manual_seed(0)
+    precision = make_precision(cfg.precision, device)
+    net = build_model(cfg.model, cfg.attention, dtype=precision.weight_dtype)
+    net.config.use_cache = False
+    net = apply_method(apply_checkpointing(net, cfg.checkpoint_every), cfg)
+    net.train()
+    params = [p for p in net.parameters() if p.requires_grad]
+    optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device)
+    strategies = step_strategies(cfg, device, optimizer, params)  # chunked loss (offload: no-op on CPU)
+    vocab = net.config.vocab_size
+    tracker = MemoryTracker()
+    peaks = []
+    with tracker:
+        tracker.tag_module(net)
+        for seq_len in (16, *SEQ_LENS):  # 16: the warm-up step that creates the optimizer states
+            ids = torch.randint(0, vocab, (MICRO_BATCH, seq_len))
+            batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
+            assert batch["input_ids"].shape == (MICRO_BATCH, seq_len)  # the real batch is seq_len long
+            tracker.tag(batch.values(), "activations")
+            tracker.reset_peak()
+            training_step(net, optimizer, [batch], precision, tracker, params, cfg.max_grad_norm, **strategies)
+            assert optimizer.state, "AdamW states must exist from the warm-up step on"
+            peaks.append(tracker.peak_bytes)
+            del ids, batch
+    return peaks[1:]
+
+
+def predicted_peaks(words: list[str], model: str) -> list[int]:
+    model_config = load_model_config(_config(words, model, SEQ_LENS[0]).model)[0]
+    return [analytic_estimate(_config(words, model, n), model_config, device="cpu").peak_allocated_bytes
+            for n in SEQ_LENS]
+
+
+def slope(peaks: list[int]) -> float:
+    return (peaks[-1] - peaks[0]) / (SEQ_LENS[-1] - SEQ_LENS[0])
+
+
+@pytest.mark.parametrize("combination", [
+    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[name]) if name in KNOWN_WRONG else ())
+    for name in COMBINATIONS])
+def test_peak_grows_with_seq_len_at_the_planned_slope(combination, wide_activation_model):
+    words = COMBINATIONS[combination]
+    measured, predicted = measured_peaks(words, wide_activation_model), predicted_peaks(words, wide_activation_model)
+    assert measured[0] < measured[1] < measured[2], f"{combination}: peaks do not grow with seq_len: {measured}"
+    # the per-token terms must dominate, or the slope would be noise on top of the model states
+    assert measured[-1] - measured[0] > 0.5 * measured[-1], f"{combination}: peaks {measured}"
+    error = (slope(predicted) - slope(measured)) / slope(measured)
+    assert abs(error) < TOLERANCE, (
+        f"{combination}: analytic slope {slope(predicted):.0f} B per seq_len token vs tracked "
+        f"{slope(measured):.0f} ({error:+.1%}); peaks tracked {measured}, analytic {predicted}")
