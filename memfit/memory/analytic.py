@@ -208,21 +208,40 @@ def activation_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     layers = (shape.layers - ckpt) * _layer_bytes(shape, cfg) + ckpt * tokens * shape.hidden * p  # ckpt: input only
     if not full:  # the first layer's input is the frozen embedding's output: no gradient, not kept
         layers -= tokens * shape.hidden * p if shape.layers > ckpt else 0
-    final_norm = tokens * _norm_bytes_per_token(shape, cfg)
-    # lm_head input: kept when lm_head trains, or as the 16-bit autocast copy; shared in fp32
-    head_input = tokens * shape.hidden * c if (c != p or full) else 0
     rope = 2 * cfg.seq_len * shape.head_dim * p if shape.family == "llama" else 0
     batch = 4 * tokens * 8  # input_ids, attention_mask, labels and the shifted labels, int64
-    return int(layers + final_norm + head_input + _loss_bytes(shape, cfg) + rope + batch
+    return int(layers + _head_bytes(shape, cfg) + _loss_bytes(shape, cfg) + rope + batch
                + _weight_copies_bytes(shape, cfg))
+
+
+def _head_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """What the final norm and the lm_head save; both are freed before the last layer's backward."""
+    tokens = cfg.micro_batch * cfg.seq_len
+    p, c, full = _weight_size(cfg), _compute_size(cfg), cfg.method == "full"
+    # lm_head input: kept when lm_head trains, or as the 16-bit autocast copy; shared in fp32
+    head_input = tokens * shape.hidden * c if (c != p or full) else 0
+    return int(tokens * _norm_bytes_per_token(shape, cfg) + head_input)
 
 
 def _layer_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
     """Gradient buffers alive inside one layer's backward: in the MLP, the gradients of its
-    intermediates (down input, act output, up output: 3 x tokens x intermediate, 2 for a plain MLP)."""
+    intermediates (down input, act output, up output: 3 x tokens x intermediate, 2 for a plain MLP),
+    less the down projection's saved input once its own backward has freed it, plus the gradient
+    of the residual stream that runs through every layer (in the weights' dtype)."""
     tokens = cfg.micro_batch * cfg.seq_len
     width = shape.intermediate * shape.experts_per_token
-    return int(tokens * width * _compute_size(cfg) * (3 if shape.family == "llama" else 2))
+    c = _compute_size(cfg)
+    intermediates = width * c * (3 if shape.family == "llama" else 2)
+    freed = width * c if _down_input_saved(shape, cfg) else 0
+    return int(tokens * (intermediates - freed + _weight_size(cfg) * shape.hidden))
+
+
+def _down_input_saved(shape: ModelShape, cfg: RunConfig) -> bool:
+    """Whether the MLP's down projection keeps its input (it trains, or carries an adapter)."""
+    if cfg.method == "full":
+        return True
+    adapted = {name.rsplit(".", 1)[-1] for name, _, _ in adapted_linears(shape, cfg)}
+    return bool(adapted & {"down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2"})
 
 
 def _dequant_bytes(shape: ModelShape, cfg: RunConfig) -> int:
@@ -257,6 +276,9 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig) -> dict[str, dict[str, in
     accumulated = grads if cfg.grad_accum > 1 else 0
     ckpt_every = cfg.checkpoint_every
     last_ckpt = bool(ckpt_every) and (shape.layers - 1) % ckpt_every == 0
+    # a recomputed layer's saved tensors include its residual input (not in bf16-pure, where the
+    # norm keeps an fp32 copy instead), which the checkpoint already holds in the activations
+    ckpt_input = 0 if cfg.precision == "bf16-pure" else tokens * shape.hidden * _weight_size(cfg)
     # the first layer's backward: everything else freed; its own activations (recomputed if checkpointed)
     grads_before_first = grads - (grads // shape.layers if cfg.method == "full" else 0)
     small = 4 * tokens * 8 + 2 * cfg.seq_len * shape.head_dim * 4
@@ -264,8 +286,9 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig) -> dict[str, dict[str, in
     return {
         "backward_start": dict(base, gradients=accumulated, activations=acts,
                                temporaries=2 * _loss_bytes(shape, cfg) + _dequant_bytes(shape, cfg)),
-        "backward_last": dict(base, gradients=accumulated, activations=acts - _loss_bytes(shape, cfg),
-                              temporaries=buffers + (layer if last_ckpt else 0)),
+        "backward_last": dict(base, gradients=accumulated,
+                              activations=acts - _loss_bytes(shape, cfg) - _head_bytes(shape, cfg),
+                              temporaries=buffers + (layer - ckpt_input if last_ckpt else 0)),
         "backward_first": dict(base, gradients=max(accumulated, grads_before_first),
                                activations=small + (0 if ckpt_every else layer),
                                temporaries=buffers + (layer if ckpt_every else 0)),

@@ -47,18 +47,6 @@ COMBINATIONS = {
     "checkpointing+chunked_loss": ["checkpointing=full", "chunked_loss=true"],
 }
 
-# Known analytic.py error (peak_candidates, "backward_last"; measured moment by moment on this model):
-# during the last layer's backward the estimate still counts the final norm's saved tensors and the
-# lm_head input (both freed before it), counts the down_proj input next to all three MLP gradient
-# buffers (down_proj's backward frees it before the third buffer exists) but not the fp32
-# residual-stream gradient, and, with the last layer checkpointed, counts that layer's input twice
-# (the checkpointed input and the recomputed layer's residual). It only shows once the loss buffers
-# no longer set the peak (chunked_loss) and checkpointing makes backward_last the peak: slope +16 %.
-# Strict: once peak_candidates is fixed this xpasses and fails; then remove the marker.
-KNOWN_WRONG = {"checkpointing+chunked_loss": "analytic backward_last overcounts the last layer's backward "
-                                              "(see the comment above KNOWN_WRONG)"}
-
-
 @pytest.fixture(scope="module")
 def wide_activation_model(tmp_path_factory):
     """tiny-llama (4 layers) narrowed so that activations are large against its 66 k parameters."""
@@ -119,9 +107,7 @@ def slope(peaks: list[int]) -> float:
     return (peaks[-1] - peaks[0]) / (SEQ_LENS[-1] - SEQ_LENS[0])
 
 
-@pytest.mark.parametrize("combination", [
-    pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_WRONG[name]) if name in KNOWN_WRONG else ())
-    for name in COMBINATIONS])
+@pytest.mark.parametrize("combination", list(COMBINATIONS))
 def test_peak_grows_with_seq_len_at_the_planned_slope(combination, wide_activation_model):
     words = COMBINATIONS[combination]
     measured, predicted = measured_peaks(words, wide_activation_model), predicted_peaks(words, wide_activation_model)
