@@ -174,6 +174,13 @@ def cmd_merge(args) -> int:
     return 0
 
 
+def cmd_generate(args) -> int:
+    from memfit.generate import generate
+
+    print(generate(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.seed, args.input))
+    return 0
+
+
 def cmd_presets(args) -> int:
     from memfit.models.presets import list_presets
 
@@ -227,6 +234,15 @@ def build_parser() -> argparse.ArgumentParser:
     merge.add_argument("--output", help="folder for the merged model (default: RUN_DIR/merged)")
     merge.add_argument("--overwrite", action="store_true", help="replace a model already in the output folder")
     merge.set_defaults(func=cmd_merge)
+
+    gen = sub.add_parser("generate", help="complete a prompt with a trained run's model (base + adapter for LoRA)")
+    gen.add_argument("run_dir", help="a finished run's output_dir")
+    gen.add_argument("prompt", help="rendered like the run's training data (alpaca/chat template, or as is)")
+    gen.add_argument("--input", default="", help="an alpaca record's input field (the prompt is its instruction)")
+    gen.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate at most (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above 0 samples")
+    gen.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
+    gen.set_defaults(func=cmd_generate)
 
     plan_cmd = sub.add_parser("plan", help="predict a run's peak GPU/CPU memory; with --budget, pick the fastest setup that fits")
     plan_cmd.add_argument("model", help="preset name (`memfit presets`), local folder with config.json, or hub id")

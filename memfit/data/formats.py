@@ -69,7 +69,7 @@ def chat_messages(record: dict) -> list[dict]:
     return messages
 
 
-def _chat_template(tokenizer) -> str | None:
+def chat_template_for(tokenizer) -> str | None:
     """None = use the tokenizer's own; else memfit's documented built-in template."""
     from memfit.models.tokenizer import CHAT_TEMPLATE
 
@@ -81,7 +81,7 @@ def render_chat(messages: list[dict], tokenizer) -> list[Segment]:
     adds for turn i is trainable when turn i is the assistant's, masked otherwise."""
     if not any(m["role"] == "assistant" for m in messages):
         raise DataError("the conversation has no assistant message to learn from")
-    template = _chat_template(tokenizer)
+    template = chat_template_for(tokenizer)
 
     def text(upto: int, generation_prompt: bool) -> str:
         return tokenizer.apply_chat_template(messages[:upto], tokenize=False, chat_template=template,
