@@ -24,7 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("memfit.distributed",),         # engines that wrap, save and resume a built run
     ("memfit.memory",),              # estimate, trace (builds a run on meta), search, report
     ("memfit.train",),               # the loop
-    ("memfit.cli", "memfit.benchmark", "memfit.demo", "memfit.__main__"),
+    ("memfit.cli", "memfit.benchmark", "memfit.demo", "memfit.generate", "memfit.__main__"),
 ]
 
 
