@@ -128,6 +128,8 @@ class RunConfig(_Section):
     max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
     seed: int = Field(0)
     log_every: int = Field(10, ge=1, description="Write metrics every N steps.")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None, description="Where metrics go besides metrics.jsonl: null = tensorboard when installed; [] = nowhere else.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
     track_memory: bool = Field(True, description="Measure memory by category with memfit's tracker.")
     budget: str | None = Field(None, description="GPU memory budget for `memfit plan`'s choice before training: null "
@@ -174,6 +176,11 @@ class RunConfig(_Section):
         if not _CHECKPOINTING.match(value):
             raise ValueError("must be 'none', 'full' or 'every-N' with N >= 1 (e.g. 'every-2')")
         return value
+
+    @field_validator("report_to")
+    @classmethod
+    def _sinks_installed(cls, value: list[str] | None) -> list[str] | None:
+        return _missing_sink_packages(value)
 
     @model_validator(mode="before")
     @classmethod
@@ -288,6 +295,16 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     if problems:
         raise ConfigError(problems, "command line")
     return result
+
+
+def _missing_sink_packages(value: list[str] | None) -> list[str] | None:
+    """An explicitly chosen metrics sink must be installed: say so at load, not after the model is built."""
+    import importlib.util
+
+    missing = [name for name in value or () if importlib.util.find_spec(name) is None]
+    if missing:
+        raise ValueError("; ".join(f"{name} needs the '{name}' package: pip install {name}" for name in missing))
+    return value
 
 
 def build_config(raw: dict, source: str = "config") -> RunConfig:
