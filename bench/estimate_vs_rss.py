@@ -32,9 +32,9 @@ from pathlib import Path
 
 import torch
 
+from memfit.units import format_bytes
 import memfit.train.loop as loop
 from memfit.config import load_config
-from memfit.memory.report import format_bytes
 from memfit.memory.trace import trace_estimate
 
 

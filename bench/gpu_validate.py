@@ -32,15 +32,12 @@ CONFIGS = [  # RunConfig overrides; ~1B model, each well under a minute on a mod
 
 
 def run_one(overrides: list[str], steps: int) -> dict:
+    from memfit.build import build_run
     from memfit.config import load_config
     from memfit.memory.analytic import analytic_estimate, device_total_bytes
-    from memfit.models.loading import build_model, load_model_config
-    from memfit.strategies.adapters import apply_method
-    from memfit.strategies.checkpointing import apply_checkpointing
-    from memfit.strategies.optimizers import build_optimizer
-    from memfit.strategies.precision import make_precision
     from memfit.memory.tracker import NullTracker
-    from memfit.train.step import training_step
+    from memfit.models.loading import load_model_config
+    from memfit.step import training_step
 
     cfg = load_config(None, overrides + ["device=cuda"])
     plan = analytic_estimate(cfg, load_model_config(cfg.model)[0], device="cuda")
@@ -48,23 +45,8 @@ def run_one(overrides: list[str], steps: int) -> dict:
     gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
-    precision = make_precision(cfg.precision, device)
-    kwargs = {}
-    try:
-        from memfit.strategies.quantization import quantized_loading
-        kwargs["load_kwargs"] = quantized_loading(cfg, device)
-    except ImportError:
-        pass
-    model = build_model(cfg.model, cfg.attention, dtype=precision.weight_dtype, **kwargs)
-    model.config.use_cache = False
-    try:
-        model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg, device)
-    except TypeError:  # older apply_method without a device argument
-        model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg)
-    model = model.to(device) if cfg.method != "qlora" else model
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device)
+    run = build_run(cfg, device, place_on=device)  # as the trainer builds a one-process run
+    model, optimizer, precision, params = run.model, run.optimizer, run.precision, run.params
     vocab = model.config.vocab_size
     started = time.perf_counter()
     for _ in range(steps):

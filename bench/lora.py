@@ -24,12 +24,12 @@ def main() -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from memfit.config import load_config
-    from memfit.memory.report import format_bytes
+    from memfit.units import format_bytes
     from memfit.memory.tracker import MemoryTracker
     from memfit.strategies.adapters import apply_method
     from memfit.strategies.optimizers import build_optimizer
     from memfit.strategies.precision import make_precision
-    from memfit.train.step import training_step
+    from memfit.step import training_step
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=12)

@@ -18,8 +18,8 @@ import time
 import torch
 
 from memfit.config import load_config
-from memfit.memory.report import format_bytes
 from memfit.memory.trace import trace_estimate
+from memfit.units import format_bytes
 
 
 def main() -> None:

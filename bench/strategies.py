@@ -24,8 +24,8 @@ import torch
 from transformers import LlamaConfig
 
 from memfit.config import load_config
-from memfit.memory.report import format_bytes
 from memfit.train.loop import train
+from memfit.units import format_bytes
 
 CONFIGS = {
     "baseline fp32 + AdamW": [],

@@ -205,7 +205,7 @@ def main() -> None:
         worker(*args.worker, args.steps, args.model_dir, args.trl_loss)
         return
 
-    from memfit.memory.report import format_bytes
+    from memfit.units import format_bytes
 
     def load() -> str:  # other processes on the machine slow every cell; print it so readers can judge the noise
         return "/".join(f"{x:.1f}" for x in os.getloadavg())

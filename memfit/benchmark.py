@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from memfit.errors import MemfitError
-from memfit.memory.report import format_bytes
+from memfit.units import format_bytes
 
 log = logging.getLogger(__name__)
 

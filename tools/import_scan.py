@@ -15,7 +15,7 @@ PACKAGE = ROOT / "memfit"
 
 # The first matching prefix gives a module's layer.
 LAYERS: list[tuple[str, ...]] = [
-    ("memfit.errors", "memfit.units"),
+    ("memfit.errors", "memfit.units", "memfit.tensors"),
     ("memfit.strategies",),          # torch building blocks; know nothing of configs
     ("memfit.config",),              # fields, choices and every cross-field rule
     ("memfit.models",),

@@ -27,6 +27,7 @@ from pathlib import Path
 from memfit.data.examples import EncodeSpec, ProblemLog, encode_chunk
 from memfit.data.packing import pack_examples
 from memfit.data.sources import DataError, iter_raw
+from memfit.units import format_bytes
 
 log = logging.getLogger(__name__)
 DATA_FILE, META_FILE = "data.arrow", "meta.json"
@@ -52,8 +53,6 @@ class PrepareReport:
     worker_peak_rss_bytes: int = 0  # largest single worker
 
     def to_text(self) -> str:
-        from memfit.memory.report import format_bytes
-
         lengths = self.example_length
         lines = [f"prepared dataset: {self.path}",
                  f"records read: {self.records:,}; examples: {self.examples:,}; rows stored: {self.rows:,}",

@@ -5,7 +5,7 @@ memfit's one training loop drives the engine it returns. Nothing here talks betw
 itself; DeepSpeed (ZeRO 1/2/3, offload, its loss scaler) does all of that.
 
 Values memfit owns (micro-batch, accumulation, clipping, precision, lr) are filled into the
-JSON from the RunConfig, or checked against it: memfit/distributed/deepspeed_config.py.
+JSON from the RunConfig, or checked against it: memfit/config/deepspeed.py.
 
 How the loop drives the engine (see `EnginePrecision`): memfit's step already divides every
 micro-batch's loss by the step's target tokens, so `engine.backward(loss, scale_wrt_gas=False)`;
@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 from memfit.distributed.checkpoint import TRAINER, complete_checkpoints, restore_rank_rng, write_checkpoint_folder
-from memfit.distributed.deepspeed_config import json_path, read_json, resolved_config
+from memfit.config.deepspeed import json_path, read_json, resolved_config
 from memfit.errors import MemfitError, require
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.distributed.validate import check_launch
+from memfit.config.distributed import check_launch
 
 
 @dataclass(frozen=True)
@@ -107,7 +107,7 @@ def target_count(ctx: DistContext):
     The engines average gradients over ranks, so rank r's loss S_r / (G / N) averages to
     (sum of S_r) / G: the gradient one process would get from the whole global batch.
     """
-    from memfit.train.step import count_targets
+    from memfit.step import count_targets
 
     if ctx.dp_size == 1:
         return count_targets

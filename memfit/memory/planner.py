@@ -18,8 +18,8 @@ from memfit.memory.analytic import analytic_estimate, device_total_bytes
 from memfit.memory.estimate import Estimate
 from memfit.memory.gpus import DEFAULT_GPU, GPU, GPUS, find_gpu
 from memfit.memory.model_shape import model_shape, trainable_params
-from memfit.memory.report import format_bytes, parse_bytes
 from memfit.memory.search import SEARCHED, Candidate, SearchResult, config_summary, search
+from memfit.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
 

@@ -23,6 +23,7 @@ from memfit.memory.costs import METHOD_GIVES_UP, OPTIMIZERS, PRECISION_GIVES_UP,
 from memfit.memory.estimate import Estimate
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import ModelShape, model_shape
+from memfit.units import format_bytes
 
 GiB = 2**30
 CHECKPOINTING = ("none", "every-4", "every-2", "full")
@@ -171,7 +172,7 @@ def sequences_per_step(cfg: RunConfig) -> int:
 
 def _problems(cfg: RunConfig, model_config, gpus: int) -> list[str]:
     """The trainer's own rules for a combination (the same functions build_config runs)."""
-    from memfit.distributed.validate import config_problems, launch_problems
+    from memfit.config.distributed import config_problems, launch_problems
     from memfit.strategies.optimizer_in_backward import in_backward_problems
     from memfit.strategies.optimizers import optimizer_problems
     from memfit.strategies.quantization import quant_problems
@@ -267,8 +268,6 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
            max_seq_len: bool = False, host_ram: int | None = None) -> SearchResult:
     """Search every family for the fastest plan whose whole-GPU memory + margin fits the budget
     (and whose host RAM fits `host_ram`, when given)."""
-    from memfit.memory.report import format_bytes
-
     shape = model_shape(model_config)
     margin = default_margin(budget) if margin is None else margin
     scorer = _Scorer(model_config, shape, gpu, gpus, device, budget - margin, host_ram)

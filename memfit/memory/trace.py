@@ -1,9 +1,9 @@
 """The traced estimate: run the trainer's own step on fake tensors and record its memory.
 
-`trace_estimate(cfg)` builds the model exactly as `memfit.train.loop.train` does, but on `meta`
+`trace_estimate(cfg)` builds the model with the trainer's own `memfit.build.build_run`, but on `meta`
 (no memory, no init), applies the same strategies, materialises it under `FakeTensorMode`
 (tensors that carry shape, dtype and device but no data, so nothing is computed or allocated),
-builds the real optimizer and runs `memfit.train.step.training_step` for two steps under the
+builds the real optimizer and runs `memfit.step.training_step` for two steps under the
 same `MemoryTracker` the trainer uses on real tensors. Step 1 allocates the optimizer states
 (its forward and backward are replaced by a cheap stand-in, see `_GradientsOnly`), step 2 is the
 steady state; the estimate is the peak over both. Because it is the very same
@@ -32,17 +32,13 @@ from types import SimpleNamespace
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 
+from memfit.build import build_run, trainable
 from memfit.config import RunConfig
 from memfit.errors import MemfitError
 from memfit.memory.estimate import Estimate
 from memfit.memory.tracker import MemoryTracker
-from memfit.models.loading import build_model
-from memfit.strategies.adapters import apply_method
-from memfit.strategies.checkpointing import apply_checkpointing
 from memfit.strategies.loss import plain_loss
-from memfit.strategies.optimizers import build_optimizer
-from memfit.strategies.precision import make_precision
-from memfit.train.step import step_strategies, training_step
+from memfit.step import step_strategies, training_step
 
 log = logging.getLogger(__name__)
 
@@ -235,28 +231,26 @@ def trace_estimate(cfg: RunConfig, device: str | torch.device | None = None, pad
         # flash-attn is CUDA-only; PyTorch's SDPA flash kernel keeps the same tensors (no seq x seq scores).
         attention = "sdpa"
         notes.append("attention: flash traced with SDPA (same saved tensors: output and log-sum-exp)")
-    precision = make_precision(cfg.precision, TRACE_DEVICE)
+    tracker = _FakeStepTracker(cuda_block_bytes if target.type == "cuda" else None)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def materialise(model, make_optimizer):
+        # Strategies were applied on `meta` (a module of fake tensors cannot be moved: `Module.to`
+        # swaps every fake parameter, which fails); now everything becomes fake at once. The
+        # optimizer is built outside the fake mode: optimizers make small constant tables
+        # (bitsandbytes' quantisation maps) from Python lists, which must stay real. Built for the
+        # trace device: paged-adamw-8bit then runs as plain 8-bit AdamW, with the same state bytes.
+        with fake_mode:
+            model = _materialise(model)
+        optimizer = make_optimizer(trainable(model))
+        if target.type == "cuda":
+            _like_cuda_optimizer(optimizer)
+        return model, optimizer
+
+    run = build_run(cfg, TRACE_DEVICE, on_meta=True, wrap=materialise, attention=attention, quantize_on_load=False)
+    model, optimizer, precision, params = run.model, run.optimizer, run.precision, run.params
     if precision.scaler is not None:
         _always_step(precision.scaler)
-    model = build_model(cfg.model, attention, dtype=precision.weight_dtype, on_meta=True)
-    model.config.use_cache = False  # as the trainer: no KV cache in training
-    tracker = _FakeStepTracker(cuda_block_bytes if target.type == "cuda" else None)
-
-    # Strategies on `meta` (a module of fake tensors cannot be moved: `Module.to` swaps every fake
-    # parameter, which fails), then everything becomes fake at once.
-    model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg)
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake_mode:
-        model = _materialise(model)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    # Built outside the fake mode: optimizers make small constant tables (bitsandbytes' quantisation
-    # maps) from Python lists, which must stay real. Built for the trace device: paged-adamw-8bit then
-    # runs as plain 8-bit AdamW, with the same state bytes.
-    optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend,
-                                TRACE_DEVICE)
-    if target.type == "cuda":
-        _like_cuda_optimizer(optimizer)
     with fake_mode, _compiled_functions_for_trace():
         strategies = step_strategies(cfg, target, optimizer, params, traced=True)
         # The same sequence of tracker calls as memfit.train.loop.train.
@@ -285,20 +279,3 @@ def trace_estimate(cfg: RunConfig, device: str | torch.device | None = None, pad
         notes.append("allocator: block sizes rounded up to 512 B; runtime overheads not included")
     log.info("traced estimate of %s on %s in %.1f s", cfg.model.name, target.type, time.perf_counter() - started)
     return estimate
-
-
-def add_traced_estimate(report, cfg: RunConfig, device: torch.device) -> None:
-    """Put the traced estimate of `cfg` beside a run's measurement (MemoryReport.estimated_*).
-
-    A fake-tensor trace costs seconds, not memory. An estimate is a side result: if tracing this
-    configuration fails, the run's report says so instead of the run failing."""
-    try:
-        estimate = trace_estimate(cfg, device=device.type)
-    except Exception as exc:  # noqa: BLE001 - never lose a finished training run to its estimate
-        log.warning("no traced estimate for this run: %s", exc)
-        report.notes.append(f"traced estimate unavailable: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-        return
-    report.estimated_peak_bytes = estimate.peak_allocated_bytes
-    report.estimated_by_category = dict(estimate.by_category)
-    report.notes.append(f"estimated: the plan's traced step with every sequence {cfg.seq_len} tokens long (the worst "
-                        "case); measured batches are padded only to their longest example, so they can need less")

@@ -28,11 +28,15 @@ from contextlib import contextmanager
 from typing import Callable, Iterable, Iterator
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from memfit.tensors import storages
+
 CATEGORIES = ("weights", "gradients", "optimizer_states", "activations", "temporaries")
-_PHASE_DEFAULT = {"forward": "activations", "backward": "temporaries", "optimizer": "temporaries", None: "temporaries"}
+# eval: under no_grad nothing is kept for a backward; everything it allocates is transient
+_PHASE_DEFAULT = {"forward": "activations", "backward": "temporaries", "optimizer": "temporaries", "eval": "temporaries",
+                  None: "temporaries"}
 
 
 class _Block:
@@ -42,23 +46,6 @@ class _Block:
 
     def __init__(self, nbytes: int, category: str, phase: str | None):
         self.nbytes, self.category, self.phase = nbytes, category, phase
-
-
-def storages(tensor: torch.Tensor) -> Iterator[torch.UntypedStorage]:
-    """The storages behind a tensor; wrapper subclasses (NF4, 8-bit states) are flattened."""
-    if is_traceable_wrapper_subclass(tensor):
-        names, _ = tensor.__tensor_flatten__()
-        for name in names:
-            inner = getattr(tensor, name)
-            if isinstance(inner, torch.Tensor):  # DTensor also flattens its (tensor-less) device_mesh
-                yield from storages(inner)
-        return
-    if tensor.layout != torch.strided:
-        return
-    try:
-        yield tensor.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # e.g. functional tensors without storage
-        return
 
 
 def _tensors(obj) -> Iterator[torch.Tensor]:
@@ -132,7 +119,7 @@ class MemoryTracker(TorchDispatchMode):
     # --- control ---------------------------------------------------------------------------
     @contextmanager
     def phase(self, name: str):
-        """Mark allocations as belonging to 'forward', 'backward' or 'optimizer'."""
+        """Mark allocations as belonging to 'forward', 'backward', 'optimizer' or 'eval'."""
         previous, self._phase = self._phase, name
         try:
             yield self

@@ -8,13 +8,17 @@ remaining 16-bit parameters — norms, embeddings, head — upcast to fp32), the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from memfit.config import RunConfig
 from memfit.errors import MemfitError, require
 from memfit.strategies.quantization import compute_dtype, is_quantized, is_quantized_linear, quantize_model
+
+if TYPE_CHECKING:  # strategies read a config's fields but sit below memfit.config
+    from memfit.config import RunConfig
 
 
 def apply_method(model: PreTrainedModel, cfg: RunConfig, device: torch.device | str | None = None) -> PreTrainedModel:

@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from memfit.errors import MemfitError, MissingPackageError, require
+from memfit.tensors import storages
 
 log = logging.getLogger(__name__)
 
@@ -386,8 +387,6 @@ def dequantize_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
 
 def quantized_bytes(model: nn.Module) -> dict[str, int]:
     """Bytes of quantized weights (packed codes) and of their scales/tables, for reports and docs."""
-    from memfit.memory.tracker import storages
-
     totals = {"codes": 0, "scales": 0}
     seen = set()
     for module in model.modules():

@@ -11,27 +11,24 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from memfit.build import build_run
 from memfit.config import RunConfig
 from memfit.data.loader import build_batch_stream
 from memfit.distributed import deepspeed_engine, launch
 from memfit.distributed.checkpoint import checkpoint_functions, unwrap, write_rank_memory
 from memfit.distributed.sharding import builds_on_meta, initial_device, shard
 from memfit.errors import MemfitError
-from memfit.memory.report import MemoryReport, format_bytes
+from memfit.memory.report import MemoryReport
 from memfit.memory.planner import resolve_budget
-from memfit.models.loading import build_model, load_model_config, load_tokenizer
+from memfit.models.loading import load_model_config, load_tokenizer
 from memfit.models.merge import save_adapter_outputs
-from memfit.strategies.adapters import apply_method
-from memfit.strategies.quantization import quantized_loading
-from memfit.strategies.checkpointing import apply_checkpointing
-from memfit.strategies.optimizers import build_optimizer
-from memfit.strategies.precision import make_precision
 from memfit.train.checkpoint import (CHECKPOINTS_DIR, discard_checkpoints, latest_step_name, resume_state,
                                      save_checkpoint)
 from memfit.train.schedule import make_scheduler
 from memfit.train.signals import StopOnSignal, TrainingStopped
 from memfit.train.oom import OomRecovery, make_tracker, resolve_micro_batch, split_batches
-from memfit.train.step import step_strategies, training_step
+from memfit.step import step_strategies, training_step
+from memfit.units import format_bytes
 
 log = logging.getLogger(__name__)
 RUN_MARKERS = ("run_config.yaml", "metrics.jsonl", CHECKPOINTS_DIR)  # what says a folder already holds a run
@@ -134,20 +131,13 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
     device = launch.local_device(resolve_device(cfg.device), dist)
     cfg = resolve_micro_batch(cfg, device)  # micro_batch: auto -> the largest that fits (a copy); else unchanged
     torch.manual_seed(cfg.seed)
-    precision = make_precision(cfg.precision, device)
     tokenizer = load_tokenizer(cfg.model)
     stream = build_batch_stream(cfg, tokenizer, device, dist.dp_rank, dist.dp_size)  # this rank's slice
-    model = build_model(cfg.model, cfg.attention, dtype=precision.weight_dtype, on_meta=builds_on_meta(cfg, dist),
-                        load_kwargs=quantized_loading(cfg, device))
-    model.config.use_cache = False  # no KV cache in training; a cache also turns off packed masks (data/packing.py)
-    model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg,
-                         initial_device(cfg, dist, device))  # moves, then quantizes
     wrap = deepspeed_engine.initialize if cfg.deepspeed else shard  # deepspeed: the engine from the user's JSON
-    model, optimizer = wrap(model, lambda params: build_optimizer(  # unchanged for one process
-        cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device), cfg, dist, device)
-    precision = deepspeed_engine.engine_precision(model, precision)  # engine.backward/step; else unchanged
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
+    run = build_run(cfg, device, on_meta=builds_on_meta(cfg, dist), place_on=initial_device(cfg, dist, device),
+                    wrap=lambda model, make_optimizer: wrap(model, make_optimizer, cfg, dist, device))
+    model, optimizer, params = run.model, run.optimizer, run.params
+    precision = deepspeed_engine.engine_precision(model, run.precision)  # engine.backward/step; else unchanged
     scheduler = make_scheduler(deepspeed_engine.torch_optimizer(optimizer), cfg.lr_schedule, cfg.warmup_steps,
                                cfg.max_steps)
     out = launch.on_main_first(dist, prepare_output_dir, cfg)  # rank 0 prepares the folder, the others wait

@@ -24,8 +24,8 @@ from typing import Callable
 import torch
 
 from memfit.errors import MemfitError
-from memfit.memory.report import format_bytes
 from memfit.memory.tracker import MemoryTracker, NullTracker
+from memfit.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
 
@@ -164,8 +164,6 @@ def memory_available_bytes(cfg, device: torch.device) -> tuple[int, str]:
         return cfg.memory_budget_bytes, f"memory_budget {cfg.memory_budget}"
     planner_budget = getattr(cfg, "budget", None)  # the planner's GPU budget, when given as a size
     if planner_budget not in (None, "auto"):
-        from memfit.memory.report import parse_bytes
-
         return parse_bytes(planner_budget), f"budget {planner_budget}"
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)

@@ -24,16 +24,13 @@ import json
 import pytest
 import torch
 
+from memfit.build import build_run
 from memfit.config import load_config
 from memfit.memory.analytic import analytic_estimate
 from memfit.memory.tracker import MemoryTracker
-from memfit.models.loading import build_model, load_model_config
+from memfit.models.loading import load_model_config
 from memfit.models.presets import load_preset_config
-from memfit.strategies.adapters import apply_method
-from memfit.strategies.checkpointing import apply_checkpointing
-from memfit.strategies.optimizers import build_optimizer
-from memfit.strategies.precision import make_precision
-from memfit.train.step import step_strategies, training_step
+from memfit.step import step_strategies, training_step
 
 SEQ_LENS = (256, 512, 1024)
 MICRO_BATCH = 2
@@ -71,13 +68,8 @@ def measured_peaks(words: list[str], model: str) -> list[int]:
     cfg = _config(words, model, SEQ_LENS[0])
     device = torch.device("cpu")
     torch.manual_seed(0)
-    precision = make_precision(cfg.precision, device)
-    net = build_model(cfg.model, cfg.attention, dtype=precision.weight_dtype)
-    net.config.use_cache = False
-    net = apply_method(apply_checkpointing(net, cfg.checkpoint_every), cfg)
-    net.train()
-    params = [p for p in net.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device)
+    run = build_run(cfg, device)
+    net, optimizer, precision, params = run.model, run.optimizer, run.precision, run.params
     strategies = step_strategies(cfg, device, optimizer, params)  # chunked loss (offload: no-op on CPU)
     vocab = net.config.vocab_size
     tracker = MemoryTracker()

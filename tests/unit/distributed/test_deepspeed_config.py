@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from memfit.config import ConfigError, load_config
-from memfit.distributed.deepspeed_config import deepspeed_problems, resolved_config
+from memfit.config.deepspeed import deepspeed_problems, resolved_config
 from memfit.distributed.deepspeed_engine import EnginePrecision, engine_precision, torch_optimizer
-from memfit.distributed.validate import launch_problems
+from memfit.config.distributed import launch_problems
 from memfit.errors import MemfitError
 from memfit.strategies.precision import make_precision
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from memfit.config import ConfigError, load_config
-from memfit.distributed.validate import DistributedSetupError, check_launch
+from memfit.config.distributed import DistributedSetupError, check_launch
 from memfit.models.loading import load_model_config
 
 

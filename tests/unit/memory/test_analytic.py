@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 
+from memfit.build import build_run
 from memfit.config import load_config
 from memfit.memory import analytic
 from memfit.memory.analytic import analytic_estimate, model_shape
@@ -14,10 +15,7 @@ from memfit.memory.tracker import MemoryTracker
 from memfit.models.loading import build_model, load_model_config
 from memfit.models.presets import load_preset_config
 from memfit.strategies.adapters import apply_method
-from memfit.strategies.checkpointing import apply_checkpointing
-from memfit.strategies.optimizers import build_optimizer
-from memfit.strategies.precision import make_precision
-from memfit.train.step import training_step
+from memfit.step import training_step
 
 GB = 10**9
 
@@ -26,12 +24,8 @@ def measure_peak(cfg, steps: int = 2) -> tuple[int, dict]:
     """Peak tracked bytes of `steps` real training steps on CPU, set up as train() does (full-length batches)."""
     device = torch.device("cpu")
     torch.manual_seed(0)
-    precision = make_precision(cfg.precision, device)
-    model = build_model(cfg.model, cfg.attention, dtype=precision.weight_dtype)
-    model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device)
+    run = build_run(cfg, device)
+    model, optimizer, precision, params = run.model, run.optimizer, run.precision, run.params
     vocab = model.config.vocab_size
     tracker = MemoryTracker()
     with tracker:

@@ -15,11 +15,12 @@ import pytest
 import torch
 
 from memfit.config import ModelConfig
-from memfit.memory.tracker import MemoryTracker, storages
+from memfit.memory.tracker import MemoryTracker
 from memfit.models.loading import build_model
 from memfit.strategies.optimizers import build_optimizer
 from memfit.strategies.precision import make_precision
-from memfit.train.step import training_step
+from memfit.step import training_step
+from memfit.tensors import storages
 
 
 def _tensors_in(obj, depth: int = 0):

@@ -16,7 +16,7 @@ from memfit.models.merge import save_trained_base
 from memfit.strategies.adapters import apply_method
 from memfit.strategies.optimizers import build_optimizer
 from memfit.strategies.precision import make_precision
-from memfit.train.step import training_step
+from memfit.step import training_step
 
 # --- helpers, also used by test_qlora.py and test_merge.py -------------------------------------------
 

@@ -11,7 +11,7 @@ from memfit.errors import MemfitError
 from memfit.memory.tracker import MemoryTracker
 from memfit.strategies.optimizer_in_backward import InBackwardUpdate, in_backward_update
 from memfit.strategies.precision import make_precision
-from memfit.train.step import training_step
+from memfit.step import training_step
 
 CONFIG = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=4, max_position_embeddings=256)

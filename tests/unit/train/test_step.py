@@ -7,7 +7,7 @@ from memfit.data.loader import IGNORE_INDEX
 from memfit.memory.tracker import NullTracker
 from memfit.models.loading import build_model
 from memfit.strategies.precision import make_precision
-from memfit.train.step import training_step
+from memfit.step import training_step
 
 
 def _batches(split: int):

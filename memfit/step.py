@@ -11,8 +11,12 @@ from dataclasses import dataclass
 
 import torch
 
-from memfit.data.loader import IGNORE_INDEX
-from memfit.strategies.loss import plain_loss
+from torch._subclasses.fake_tensor import FakeTensor
+
+from memfit.data.examples import IGNORE_INDEX
+from memfit.strategies.activation_offload import activation_offload
+from memfit.strategies.loss import loss_function, plain_loss
+from memfit.strategies.optimizer_in_backward import in_backward_update
 from memfit.strategies.precision import PrecisionPlan, total_grad_norm
 
 
@@ -27,8 +31,6 @@ class StepResult:
 
 def _finite(value: torch.Tensor) -> bool:
     """Whether a tensor is all finite; assumed so on fake/meta tensors (the planner traces this step)."""
-    from torch._subclasses.fake_tensor import FakeTensor
-
     if isinstance(value, FakeTensor) or value.device.type == "meta":
         return True
     if hasattr(value, "full_tensor"):  # a DTensor norm (FSDP2 gradients): the same global value on every rank
@@ -53,10 +55,6 @@ def step_strategies(cfg, device: torch.device, optimizer: torch.optim.Optimizer,
     """training_step's strategy hooks for this run, as keyword arguments (all no-ops when off).
     The loop and the planner's trace both call this, once per model (it registers the
     optimizer-in-backward hooks). `traced`: fake tensors estimating `device`."""
-    from memfit.strategies.activation_offload import activation_offload
-    from memfit.strategies.loss import loss_function
-    from memfit.strategies.optimizer_in_backward import in_backward_update
-
     return {"loss_fn": loss_function(cfg.chunked_loss),
             "saved_activations": activation_offload(cfg.activation_offload, device, params, traced=traced),
             "update": in_backward_update(cfg.optimizer_in_backward, optimizer, params)}
@@ -66,12 +64,12 @@ def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micr
                   precision: PrecisionPlan, tracker, params: list[torch.nn.Parameter],
                   max_grad_norm: float | None, loss_fn=plain_loss, saved_activations=nullcontext,
                   update=None, target_count=count_targets) -> StepResult:
-    """One optimizer step. The last three are the no-op-when-off strategy hooks (issue 7):
-    loss_fn (strategies/loss.py: plain or chunked), saved_activations (a context factory around
+    """One optimizer step. loss_fn, saved_activations and update are the strategy hooks, no-ops when
+    off: loss_fn (strategies/loss.py: plain or chunked), saved_activations (a context factory around
     each forward: strategies/activation_offload.py) and update (replaces precision.step:
     strategies/optimizer_in_backward.py, which already updated the weights during backward).
-    target_count (issue 6): what each loss is divided by; data parallel divides by all ranks'
-    targets / ranks, so the averaged gradients equal one process's (memfit/distributed/launch.py)."""
+    target_count: what each loss is divided by; data parallel divides by all ranks' targets / ranks,
+    so the averaged gradients equal one process's (memfit/distributed/launch.py)."""
     # Sum of per-token losses over the step / target tokens in the step: every token weighs
     # the same, however the tokens are split into micro-batches.
     targets = max(target_count(micro_batches), 1)

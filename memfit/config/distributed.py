@@ -55,10 +55,6 @@ def config_problems(cfg) -> list[str]:
     if pp > 1 and cfg.max_grad_norm is not None:
         problems.append("pipeline_parallel > 1 needs max_grad_norm: null (gradient clipping across pipeline "
                         "stages is not implemented)")
-    if getattr(cfg, "deepspeed", None):  # the JSON file and what DeepSpeed takes over from memfit's fields
-        from memfit.distributed.deepspeed_config import deepspeed_problems
-
-        problems += deepspeed_problems(cfg)
     return problems
 
 

@@ -12,8 +12,15 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from memfit.errors import MemfitError
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from memfit.config.deepspeed import deepspeed_problems
+from memfit.config.distributed import config_problems
+from memfit.errors import MemfitError
+from memfit.strategies.optimizer_in_backward import in_backward_problems
+from memfit.strategies.optimizers import optimizer_problems
+from memfit.strategies.quantization import quant_problems
+from memfit.units import parse_bytes
 
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]
 Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion", "lion-8bit", "sgd"]
@@ -87,6 +94,31 @@ class LoraConfig(_Section):
     train_lm_head: bool = Field(False, description="Also train the output head in full (peft modules_to_save).")
 
 
+class EvalConfig(_Section):
+    data: str | None = Field(None, description="Held-out data (same formats as data.path); or use fraction.")
+    fraction: float = Field(0.0, ge=0, lt=1, description="Hold out this share of the training records instead "
+                                                         "(the same records every run: split by record hash).")
+    every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only after the last step).")
+    micro_batch: int | None = Field(None, ge=1, description="Rows per eval batch (default: the training micro_batch).")
+    max_batches: int | None = Field(None, ge=1, description="Evaluate on at most this many batches (default: all).")
+    save_best: bool = Field(False, description="Keep the weights of the evaluation with the lowest loss in RUN_DIR/best.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.data is not None or self.fraction > 0
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "EvalConfig":
+        problems = []
+        if self.data is not None and self.fraction > 0:
+            problems.append("set eval.data or eval.fraction, not both")
+        if (self.save_best or self.every) and not self.enabled:
+            problems.append("eval.save_best / eval.every need held-out data: set eval.data or eval.fraction")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
 class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     data: DataConfig = Field(default_factory=DataConfig)
@@ -128,6 +160,7 @@ class RunConfig(_Section):
     max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
     seed: int = Field(0)
     log_every: int = Field(10, ge=1, description="Write metrics every N steps.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out data: loss and perplexity.")
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
         None, description="Where metrics go besides metrics.jsonl: null = tensorboard when installed; [] = nowhere else.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
@@ -156,7 +189,7 @@ class RunConfig(_Section):
     max_nonfinite_steps: int = Field(10, ge=1, description="Stop after this many steps in a row with a non-finite "
                                                            "loss or gradient (each such step is skipped).")
 
-    # Scale-out (issue 6): PyTorch's own engines; combinations are checked in memfit/distributed/validate.py.
+    # Scale-out: PyTorch's own engines; combinations are checked in memfit/config/distributed.py.
     sharding: Literal["none", "ddp", "zero1", "zero2", "zero3"] = Field(
         "none", description="Data-parallel engine under torchrun: ddp; zero1 (ZeroRedundancyOptimizer: optimizer "
                             "states sharded); zero2 (FSDP2, + gradients); zero3 (FSDP2, + parameters).")
@@ -168,7 +201,7 @@ class RunConfig(_Section):
                                                          "grad_accum micro-batches per step).")
     deepspeed: str | None = Field(None, description="A DeepSpeed JSON config file (yours, as DeepSpeed reads it): "
                                                   "the DeepSpeed engine runs the step under torchrun; values memfit "
-                                                  "owns may be \"auto\" (memfit/distributed/deepspeed_config.py).")
+                                                  "owns may be \"auto\" (memfit/config/deepspeed.py).")
 
     @field_validator("checkpointing")
     @classmethod
@@ -201,8 +234,6 @@ class RunConfig(_Section):
     @classmethod
     def _planner_budget_form(cls, value: str | None) -> str | None:
         if value is not None and value != "auto":
-            from memfit.memory.report import parse_bytes
-
             if parse_bytes(value) <= 0:  # parse_bytes' own ValueError says how to write a size
                 raise ValueError("must be null, 'auto' or a positive size, e.g. 24GiB")
         return value
@@ -213,16 +244,12 @@ class RunConfig(_Section):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             value = f"{int(value)}B"  # a plain number is bytes
         if value is not None:
-            from memfit.memory.report import parse_bytes
-
             if parse_bytes(value) <= 0:  # parse_bytes' own ValueError says how to write a size
                 raise ValueError("must be a positive size, e.g. 512MiB")
         return value
 
     @property
     def memory_budget_bytes(self) -> int | None:
-        from memfit.memory.report import parse_bytes
-
         return None if self.memory_budget is None else parse_bytes(self.memory_budget)
 
     @field_validator("model", mode="before")
@@ -321,15 +348,8 @@ def build_config(raw: dict, source: str = "config") -> RunConfig:
                 text += _unknown_field_hint(err["loc"], RunConfig)
             problems.append(text)
         raise ConfigError(problems, source) from None
-    from memfit.distributed.validate import config_problems  # field combinations (sharding, offload, tp, pp)
-
-    from memfit.strategies.quantization import quant_problems  # method / quant / merge combinations
-
-    from memfit.strategies.optimizer_in_backward import in_backward_problems  # grad_accum / clipping / fp16
-
-    from memfit.strategies.optimizers import optimizer_problems  # backend / tracker combinations
-
-    problems = config_problems(cfg) + quant_problems(cfg) + in_backward_problems(cfg) + optimizer_problems(cfg)
+    problems = (config_problems(cfg) + deepspeed_problems(cfg) + quant_problems(cfg) + in_backward_problems(cfg)
+                + optimizer_problems(cfg))
     if problems:
         raise ConfigError(problems, source)
     return cfg

@@ -1,0 +1,52 @@
+"""Evaluation: mean loss per target token over held-out batches, and its perplexity.
+
+It runs under no_grad with the run's own loss function (the chunked loss too: evaluation is where
+full [tokens x vocab] logits surprise runs that fit in training), in the tracker's `eval` phase so
+its memory peak is reported on its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from memfit.data.examples import IGNORE_INDEX
+
+
+@dataclass
+class EvalResult:
+    loss: float        # mean cross-entropy per target token (nats)
+    perplexity: float  # exp(loss)
+    tokens: int        # target tokens evaluated
+    batches: int
+
+    def record(self, step: int) -> dict:
+        return {"step": step, "loss": self.loss, "perplexity": self.perplexity, "tokens": self.tokens}
+
+
+@torch.no_grad()
+def evaluate(model: torch.nn.Module, batches: Iterable[dict], loss_fn, autocast, tracker,
+             device: torch.device) -> EvalResult:
+    """Every token weighs the same, however the tokens fall into batches: the sum of per-token
+    losses over all batches divided by the number of target tokens."""
+    was_training = model.training
+    model.eval()
+    total, targets, count = 0.0, 0, 0
+    try:
+        for batch in batches:
+            batch = {k: v.to(device) for k, v in batch.items()}
+            n = int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+            if n == 0:
+                continue
+            with tracker.phase("eval"), autocast():
+                total += float(loss_fn(model, batch, 1))  # divided by 1: the sum over this batch's targets
+            targets, count = targets + n, count + 1
+    finally:
+        model.train(was_training)
+    if targets == 0:
+        return EvalResult(float("nan"), float("nan"), 0, count)
+    loss = total / targets
+    return EvalResult(loss, math.exp(min(loss, 700.0)), targets, count)
