@@ -22,7 +22,7 @@ demo: $(STAMP)
 
 # pytest exits 5 when it collects no tests: treat that as the failure it is.
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -ra tests; rc=$$?; \
+	$(BIN)/python -m pytest -q -ra --durations=15 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing"; exit 1; fi; exit $$rc
 
 clean:

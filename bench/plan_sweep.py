@@ -13,7 +13,8 @@ import itertools
 import time
 
 from memfit.config import RunConfig
-from memfit.memory.analytic import analytic_estimate, model_shape
+from memfit.memory.analytic import analytic_estimate
+from memfit.memory.model_shape import model_shape
 from memfit.models.presets import load_preset_config
 
 MODELS = ("meta-llama/Llama-3.2-1B", "meta-llama/Llama-2-7b-hf", "Qwen/Qwen2.5-7B", "mistralai/Mistral-7B-v0.1",

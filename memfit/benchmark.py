@@ -16,7 +16,9 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from memfit.errors import MemfitError
+from memfit.config import build_config
+from memfit.errors import MemfitError, require
+from memfit.train.loop import train
 from memfit.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -60,9 +62,6 @@ def _median_after_first(values: list[float]) -> float | None:
 
 
 def run_variant(name: str, overrides: dict, base: dict, workdir: Path) -> BenchRow:
-    from memfit.config import build_config
-    from memfit.train.loop import train
-
     row = BenchRow(name, overrides)
     raw = {**base, **overrides, "output_dir": str(workdir / name.replace(" ", "_").replace(":", "").replace("+", "-")),
            "overwrite": True, "log_every": 1, "save_every": 0, "track_memory": True}
@@ -121,8 +120,6 @@ def to_table(rows: list[BenchRow]) -> str:
 
 def write_chart(rows: list[BenchRow], path: str | Path, title: str) -> Path:
     """Two horizontal bar charts side by side: peak memory (MiB) and step time (ms)."""
-    from memfit.errors import require
-
     require("matplotlib", "memfit bench's chart")
     import matplotlib
 

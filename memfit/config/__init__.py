@@ -95,7 +95,8 @@ class LoraConfig(_Section):
 
 
 class EvalConfig(_Section):
-    data: str | None = Field(None, description="Held-out data (same formats as data.path); or use fraction.")
+    data: str | None = Field(None, description="Held-out data (same formats as data.path; a hub dataset's "
+                                               "validation split); or use fraction.")
     fraction: float = Field(0.0, ge=0, lt=1, description="Hold out this share of the training records instead "
                                                          "(the same records every run: split by record hash).")
     every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only after the last step).")
@@ -180,7 +181,7 @@ class RunConfig(_Section):
                                                         "above it fails with out-of-memory as a full GPU would (tests "
                                                         "OOM recovery on CPU), and micro_batch: auto fits under it.")
 
-    # Reliability (issue 8): checkpoints, resume, non-finite steps; see memfit/train/checkpoint.py.
+    # Reliability (issue 8): checkpoints, resume, non-finite steps; see memfit/checkpoint.py.
     save_every: int = Field(100, ge=0, description="Write a resumable checkpoint every N optimizer steps "
                                                    "(0: only when stopped by SIGTERM/SIGINT).")
     keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")

@@ -16,6 +16,7 @@ memfit's names, values the names in your data.
 from __future__ import annotations
 
 from memfit.data.sources import DataError
+from memfit.models.tokenizer import CHAT_TEMPLATE
 
 ALPACA_PROMPT = "### Instruction:\n{instruction}\n\n### Input:\n{input}\n\n### Response:\n"
 ALPACA_PROMPT_NO_INPUT = "### Instruction:\n{instruction}\n\n### Response:\n"
@@ -71,8 +72,6 @@ def chat_messages(record: dict) -> list[dict]:
 
 def chat_template_for(tokenizer) -> str | None:
     """None = use the tokenizer's own; else memfit's documented built-in template."""
-    from memfit.models.tokenizer import CHAT_TEMPLATE
-
     return None if getattr(tokenizer, "chat_template", None) else CHAT_TEMPLATE
 
 

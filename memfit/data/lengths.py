@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from memfit.data.loader import BatchStream, load_examples
 from memfit.data.packing import pack_examples
 from memfit.errors import MemfitError
+from memfit.models.loading import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -49,8 +50,6 @@ def length_profile(cfg, tokenizer=None, limit: int = 2000, micro_batch: int | No
     order of the trainer's first epoch (its seeded shuffle, or group_by_length's sorted windows) over
     the sample, so the padded lengths are those the run sees, up to the sample being smaller.
     """
-    from memfit.models.loading import load_tokenizer
-
     micro_batch = micro_batch or cfg.micro_batch
     if micro_batch == "auto":
         raise MemfitError("length_profile: micro_batch is auto; pass the micro_batch to profile batches of")

@@ -13,58 +13,35 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 from memfit.config import DataConfig
-from memfit.data.examples import IGNORE_INDEX, EncodeSpec, ProblemLog, encode_chunk
-from memfit.data.packing import collate_packed, pack_examples
-from memfit.data.sources import DataError, iter_raw
+from memfit.data.batching import CHUNK_RECORDS, chunked, collate, is_held_out
+from memfit.data.examples import EncodeSpec, ProblemLog, encode_chunk
+from memfit.data.packing import pack_examples
+from memfit.data.prepare import PreparedDataset
+from memfit.data.sources import DataError, is_hub_name, iter_raw
+from memfit.data.streaming import StreamingBatches
 
 log = logging.getLogger(__name__)
-__all__ = ["IGNORE_INDEX", "BatchStream", "build_batch_stream", "collate", "load_examples", "chunked"]
-CHUNK_RECORDS = 256  # records per unit of work (one batched tokenizer call)
 LENGTH_GROUP_BATCHES = 64  # group_by_length sorts within windows of this many micro-batches
 
 
-def chunked(items, size: int) -> Iterator[list]:
-    chunk = []
-    for item in items:
-        chunk.append(item)
-        if len(chunk) == size:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-def load_examples(cfg: DataConfig, tokenizer, seq_len: int, packing: bool = False) -> list[dict]:
-    """Tokenize the whole dataset into a list in RAM (fine for small data; see `memfit data prepare`)."""
+def load_examples(cfg: DataConfig, tokenizer, seq_len: int, packing: bool = False,
+                  keep: Callable[[dict], bool] | None = None) -> list[dict]:
+    """Tokenize the whole dataset into a list in RAM (fine for small data; see `memfit data prepare`).
+    `keep`: which tokenized examples to use (before packing), e.g. all but the held-out ones."""
     spec, problems, examples = EncodeSpec.from_config(cfg, tokenizer, seq_len), ProblemLog(cfg.skip_bad_records), []
     for chunk in chunked(iter_raw(cfg.path, cfg.split, cfg.limit), CHUNK_RECORDS):
         result = encode_chunk(chunk, spec)
         problems.add_all(result.problems)
-        examples += result.examples
+        examples += result.examples if keep is None else [e for e in result.examples if keep(e)]
     problems.report()
     if not examples:
         raise DataError(f"{cfg.path}: no usable examples" + "".join(f"\n  {s}" for s in problems.summary()))
     return list(pack_examples(examples, seq_len)) if packing else examples
-
-
-def collate(examples: list[dict], pad_id: int) -> dict[str, torch.Tensor]:
-    """Right-pad to the longest example; padding is masked in attention and loss. Packed rows
-    (with `doc_lengths`) get per-example position_ids instead (see packing.py)."""
-    if "doc_lengths" in examples[0]:
-        return collate_packed(examples, pad_id)
-    length = max(len(e["input_ids"]) for e in examples)
-    batch = {"input_ids": [], "attention_mask": [], "labels": []}
-    for e in examples:
-        pad = length - len(e["input_ids"])
-        batch["input_ids"].append(list(e["input_ids"]) + [pad_id] * pad)
-        batch["attention_mask"].append([1] * len(e["input_ids"]) + [0] * pad)
-        batch["labels"].append(list(e["labels"]) + [IGNORE_INDEX] * pad)
-    return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}
 
 
 class BatchStream:
@@ -138,14 +115,31 @@ def build_batch_stream(cfg, tokenizer, device: torch.device, rank: int = 0, worl
     data = cfg.data
     pin = device.type == "cuda"
     if data.prepared_dir:
-        from memfit.data.prepare import PreparedDataset
-
         examples = PreparedDataset.open(data.prepared_dir, expect=cfg)
     elif data.streaming:
-        from memfit.data.streaming import StreamingBatches
-
         return StreamingBatches(cfg, tokenizer, pin_memory=pin, rank=rank, world=world)
     else:
-        examples = load_examples(data, tokenizer, cfg.seq_len, cfg.packing)
+        fraction = cfg.eval.fraction
+        keep = (lambda example: not is_held_out(example, fraction)) if fraction else None
+        examples = load_examples(data, tokenizer, cfg.seq_len, cfg.packing, keep)
     return BatchStream(examples, cfg.micro_batch, tokenizer.pad_token_id, cfg.seed, data.num_workers, pin,
                        data.prefetch_factor, data.group_by_length, rank, world)
+
+
+def eval_batches(cfg, tokenizer) -> list[dict[str, torch.Tensor]]:
+    """The evaluation batches, unpacked and in file order: `eval.data`, or the share of the training
+    records `eval.fraction` holds out (the training stream leaves exactly those out)."""
+    spec = cfg.eval
+    if spec.data is not None:
+        examples = load_examples(cfg.data.model_copy(update={"path": spec.data, "limit": None, "split": "validation"
+                                                             if is_hub_name(spec.data) else cfg.data.split}),
+                                 tokenizer, cfg.seq_len)
+    else:
+        try:
+            examples = load_examples(cfg.data, tokenizer, cfg.seq_len, keep=lambda e: is_held_out(e, spec.fraction))
+        except DataError:
+            raise DataError(f"eval.fraction {spec.fraction}: no example of {cfg.data.path} falls in the held-out "
+                            "share; raise eval.fraction or set eval.data") from None
+    rows = spec.micro_batch or cfg.micro_batch
+    batches = [collate(chunk, tokenizer.pad_token_id) for chunk in chunked(examples, rows)]
+    return batches[: spec.max_batches] if spec.max_batches else batches

@@ -24,6 +24,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from memfit.data.batching import CHUNK_RECORDS, chunked
 from memfit.data.examples import EncodeSpec, ProblemLog, encode_chunk
 from memfit.data.packing import pack_examples
 from memfit.data.sources import DataError, iter_raw
@@ -135,8 +136,6 @@ def prepare_dataset(cfg, tokenizer, out_dir: str | Path, overwrite: bool = False
     """Tokenize cfg.data into `out_dir` (memory-mapped Arrow + meta.json); returns the statistics."""
     import pyarrow as pa
     from tqdm.auto import tqdm
-
-    from memfit.data.loader import CHUNK_RECORDS, chunked
 
     out = Path(out_dir)
     if out.exists() and not overwrite:

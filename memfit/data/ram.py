@@ -18,7 +18,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from memfit.data.loader import CHUNK_RECORDS
+from memfit.data.batching import CHUNK_RECORDS
+from memfit.data.sources import is_hub_name, resolve_files
+
 
 PY_BYTES_PER_TOKEN = 48  # input_ids + labels list slots (8 B each) + one int object (32 B) shared by both
 IN_MEMORY_BYTES_PER_FILE_BYTE = 12  # PY_BYTES_PER_TOKEN at ~4 raw bytes per BPE token
@@ -30,8 +32,6 @@ BATCH_TENSORS = 3  # input_ids, labels, attention_mask or position_ids (int64 ea
 
 def _source_bytes(path: str) -> int:
     """Size of the raw files behind data.path (0 for a hub dataset: unknown until downloaded)."""
-    from memfit.data.sources import is_hub_name, resolve_files
-
     if is_hub_name(path):
         return 0
     return sum(Path(f).stat().st_size for f in resolve_files(path))

@@ -16,7 +16,8 @@ import json
 from pathlib import Path
 from typing import Iterator
 
-from memfit.errors import MemfitError
+from memfit.data.demo import DEMO_PATH
+from memfit.errors import MemfitError, require
 
 SUFFIXES = {".jsonl": "jsonl", ".ndjson": "jsonl", ".json": "json", ".csv": "csv", ".parquet": "parquet",
             ".arrow": "arrow", ".feather": "arrow"}
@@ -28,8 +29,6 @@ class DataError(MemfitError):
 
 def _builtin(path: str) -> Path | None:
     if path == "builtin:demo":
-        from memfit.data.demo import DEMO_PATH
-
         return DEMO_PATH
     return None
 
@@ -163,8 +162,6 @@ def _read_arrow(path: Path) -> Iterator[tuple[str, object]]:
 
 def _iter_hub(name: str, split: str) -> Iterator[tuple[str, object]]:
     """A Hugging Face dataset by id, streamed (nothing is downloaded whole)."""
-    from memfit.errors import require
-
     datasets = require("datasets", "reading a Hugging Face dataset by name")
     try:
         stream = datasets.load_dataset(name, split=split, streaming=True)

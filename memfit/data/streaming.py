@@ -19,8 +19,8 @@ from typing import Iterator
 
 import torch
 
+from memfit.data.batching import CHUNK_RECORDS, chunked, collate
 from memfit.data.examples import EncodeSpec, ProblemLog, encode_chunk
-from memfit.data.loader import CHUNK_RECORDS, chunked, collate
 from memfit.data.packing import pack_examples
 from memfit.data.sources import DataError, iter_raw
 

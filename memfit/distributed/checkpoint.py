@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from memfit.distributed.launch import DistContext
+from memfit.checkpoint import TrainerState
+from memfit.distributed.launch import DistContext, gather_to_main
 from memfit.errors import MemfitError
 
 log = logging.getLogger(__name__)
@@ -236,8 +237,6 @@ def write_rank_memory(ctx: DistContext, out: Path, report, load_rss_bytes: int) 
     """Collective: every rank's measured peak, gathered into `distributed_memory.json` by rank 0."""
     import json
 
-    from memfit.distributed.launch import gather_to_main
-
     mine = {"rank": ctx.rank, "measured_peak_bytes": report.measured_peak_bytes,
             "measured_by_category_bytes": report.measured_by_category,
             "process_peak_rss_bytes": report.process_peak_rss_bytes, "load_peak_rss_bytes": load_rss_bytes,
@@ -252,7 +251,7 @@ def write_rank_memory(ctx: DistContext, out: Path, report, load_rss_bytes: int) 
 def checkpoint_functions(ctx: DistContext, save_checkpoint, resume_state, save_model):
     """(save, resume, save_final) for the loop: the single-process ones unchanged, DCP ones when sharded.
 
-    The sharded ones take the same arguments as memfit.train.checkpoint's, so the loop calls one name.
+    The sharded ones take the same arguments as memfit.checkpoint's, so the loop calls one name.
     """
     if not ctx.enabled:
         return save_checkpoint, resume_state, save_model
@@ -264,8 +263,6 @@ def checkpoint_functions(ctx: DistContext, save_checkpoint, resume_state, save_m
         return save_sharded(out, state.step, trainer, model, optimizer, ctx, keep)
 
     def resume(resume: bool, out, model, optimizer, scheduler, scaler, stream):
-        from memfit.train.checkpoint import TrainerState
-
         found = complete_checkpoints(Path(out) / "checkpoints") if resume else []
         if not found:
             if resume:

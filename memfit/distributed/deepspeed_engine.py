@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from memfit.checkpoint import TrainerState
 from memfit.distributed.checkpoint import TRAINER, complete_checkpoints, restore_rank_rng, write_checkpoint_folder
 from memfit.config.deepspeed import json_path, read_json, resolved_config
 from memfit.errors import MemfitError, require
@@ -296,9 +297,7 @@ def save_final(engine, tokenizer, out: Path) -> None:
 
 
 def checkpoint_functions(ctx):
-    """(save, resume, save_final) for the loop, with the arguments memfit.train.checkpoint's take."""
-    from memfit.train.checkpoint import TrainerState
-
+    """(save, resume, save_final) for the loop, with the arguments memfit.checkpoint's take."""
     def save(out, state, model, optimizer, scheduler=None, scaler=None, keep=2):
         return save_deepspeed(out, state, model, scheduler, keep)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.config.distributed import check_launch
+from memfit.step import count_targets
 
 
 @dataclass(frozen=True)
@@ -107,8 +108,6 @@ def target_count(ctx: DistContext):
     The engines average gradients over ranks, so rank r's loss S_r / (G / N) averages to
     (sum of S_r) / G: the gradient one process would get from the whole global batch.
     """
-    from memfit.step import count_targets
-
     if ctx.dp_size == 1:
         return count_targets
     import torch.distributed as dist
@@ -154,11 +153,6 @@ def on_main_first(ctx: DistContext, prepare, cfg):
     out = prepare(cfg) if ctx.is_main else Path(cfg.output_dir)
     dist.barrier()
     return out
-
-
-def main_only_file(ctx: DistContext, path):
-    """The file opened for appending on rank 0; a sink elsewhere (one metrics log per run)."""
-    return open(path if ctx.is_main else os.devnull, "a")
 
 
 def peak_rss_bytes() -> int:

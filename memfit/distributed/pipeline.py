@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from memfit.distributed.launch import DistContext
+from memfit.distributed.modules import place
 from memfit.errors import MemfitError
 
 IGNORE_INDEX = -100
@@ -154,8 +155,6 @@ def build_pipeline(model: torch.nn.Module, cfg, ctx: DistContext, device: torch.
     (`sharding.builds_on_meta`). Each rank allocates only its own stage, and rank 0 sends every
     other stage its tensors (`load_stages_from_rank0`), dropping each stage's blocks once sent.
     """
-    from memfit.distributed.sharding import place
-
     part, names, tied = _stage_of(model, ctx.world_size, ctx.rank)
     if ctx.rank == 0:
         part = place(part, device)

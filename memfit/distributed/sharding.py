@@ -27,8 +27,12 @@ from typing import Callable
 
 import torch
 
+from memfit.build import trainable
+from memfit.distributed.deepspeed_engine import loads_from_rank0
 from memfit.distributed.launch import DistContext
-from memfit.errors import MemfitError
+from memfit.distributed.modules import decoder_blocks, place
+from memfit.distributed.pipeline import build_pipeline
+from memfit.distributed.tensor_parallel import apply_tensor_parallel
 
 FSDP2 = ("zero2", "zero3")
 
@@ -36,8 +40,6 @@ FSDP2 = ("zero2", "zero3")
 def shards_from_rank0(cfg, ctx: DistContext) -> bool:
     """Whether the engine hands each rank its part of rank 0's model (FSDP2 broadcast, tensor-parallel
     scatter, pipeline stage sends, DeepSpeed ZeRO-3's conversion) rather than a full replica."""
-    from memfit.distributed.deepspeed_engine import loads_from_rank0
-
     return ctx.enabled and (cfg.sharding in FSDP2 or cfg.tensor_parallel > 1 or cfg.pipeline_parallel > 1
                             or loads_from_rank0(cfg, ctx))
 
@@ -47,21 +49,6 @@ def builds_on_meta(cfg, ctx: DistContext) -> bool:
     return ctx.rank != 0 and shards_from_rank0(cfg, ctx)
 
 
-def trainable(model: torch.nn.Module) -> list[torch.nn.Parameter]:
-    return [p for p in model.parameters() if p.requires_grad]
-
-
-def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The transformer blocks (HF `_no_split_modules` classes), also inside a PEFT wrapper."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    names = set(getattr(base, "_no_split_modules", None) or [])
-    blocks = [m for m in model.modules() if type(m).__name__ in names]
-    if not blocks:
-        raise MemfitError(f"sharding: found no transformer blocks in {type(base).__name__} "
-                          "(it declares no _no_split_modules); FSDP2 needs them to shard block by block")
-    return blocks
-
-
 def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.optim.Optimizer], cfg,
           ctx: DistContext, device: torch.device) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     """`model, optimizer = shard(model, optimizer_factory, cfg, ctx, device)`; unchanged when off."""
@@ -69,13 +56,9 @@ def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.opti
         model = place(model, device)
         return model, optimizer_factory(trainable(model))
     if cfg.tensor_parallel > 1:
-        from memfit.distributed.tensor_parallel import apply_tensor_parallel
-
         model = apply_tensor_parallel(model, cfg.tensor_parallel, device)
         return model, optimizer_factory(trainable(model))
     if cfg.pipeline_parallel > 1:
-        from memfit.distributed.pipeline import build_pipeline
-
         model = build_pipeline(model, cfg, ctx, device)
         return model, optimizer_factory(trainable(model))
     if cfg.sharding in FSDP2:
@@ -95,16 +78,6 @@ def _ddp(model, optimizer_factory, cfg, device):
     if cfg.sharding == "zero1":
         optimizer = _zero_redundancy(optimizer, trainable(model))
     return wrapped, optimizer
-
-
-def place(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """Move to the device; a model built on `meta` gets (uninitialised) storage there instead."""
-    if any(p.is_meta for p in model.parameters()):
-        model = model.to_empty(device=device)
-        if hasattr(model, "tie_weights"):  # to_empty gives every parameter its own tensor: re-tie
-            model.tie_weights()
-        return model
-    return model.to(device)
 
 
 def _zero_redundancy(template: torch.optim.Optimizer, params: list) -> torch.optim.Optimizer:

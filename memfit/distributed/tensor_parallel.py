@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from memfit.distributed.sharding import decoder_blocks
+from memfit.distributed.modules import decoder_blocks
 
 ATTENTION_PLAN = {"self_attn.q_proj": "colwise", "self_attn.k_proj": "colwise", "self_attn.v_proj": "colwise",
                   "self_attn.o_proj": "rowwise"}

@@ -1,7 +1,7 @@
 """Per-rank memory of a distributed run: model states and activations for ddp, zero1/2/3,
 CPU offload, tensor parallel (K) and pipeline parallel (S), as memfit/distributed runs them.
 
-Closed form, in the same categories as the single-device analytic engine (memory/analytic.py),
+Closed form, in the same categories as the single-device terms (memory/single_device.py),
 whose per-token activation and loss terms it reuses. N = data-parallel ranks.
 
 Model states per rank (W weights, G gradients, O optimizer states of one process):
@@ -31,9 +31,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from memfit.memory import analytic as single
+from memfit.distributed.pipeline import stage_blocks
+from memfit.memory import single_device as single
 from memfit.memory.estimate import Estimate
+from memfit.memory.model_shape import adapted_linears, model_shape
 from memfit.memory.tracker import CATEGORIES
+from memfit.models.loading import load_model_config
 
 CPU_OPTIMIZER_SCRATCH_TENSORS = 4  # torch's single-tensor AdamW: ~4 temporaries of the tensor updated
 
@@ -77,7 +80,7 @@ def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> 
                           notes=[f"tensor parallel {k}: block linears split {k} ways"])
     if cfg.pipeline_parallel > 1:
         s = cfg.pipeline_parallel
-        blocks = len(_stage_blocks(shape.layers, s, stage))
+        blocks = len(stage_blocks(shape.layers, s, stage))
         params = blocks * block + (shape.embedding_params if stage == 0 else 0)
         if stage == s - 1:  # final norm + lm_head (its own copy when tied to the embeddings)
             params += shape.hidden + (shape.lm_head_params or shape.embedding_params)
@@ -100,12 +103,6 @@ def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> 
     return out
 
 
-def _stage_blocks(layers: int, stages: int, stage: int) -> range:
-    from memfit.distributed.pipeline import stage_blocks
-
-    return stage_blocks(layers, stages, stage)
-
-
 def rank_activations(shape, cfg, stage: int = 0) -> int:
     """Activation bytes at the backward's start on one rank."""
     acts = single.activation_bytes(shape, cfg)
@@ -121,7 +118,7 @@ def rank_activations(shape, cfg, stage: int = 0) -> int:
         return int(acts - min(saved, shape.layers * layer))
     if cfg.pipeline_parallel > 1:
         s = cfg.pipeline_parallel
-        blocks = len(_stage_blocks(shape.layers, s, stage))
+        blocks = len(stage_blocks(shape.layers, s, stage))
         padded = cfg.model_copy(update={"micro_batch": cfg.micro_batch})
         layer = single._layer_bytes(shape, padded)
         hidden_in = cfg.micro_batch * cfg.seq_len * shape.hidden * single._weight_size(cfg)
@@ -135,7 +132,7 @@ def rank_activations(shape, cfg, stage: int = 0) -> int:
 def _largest_tensor_bytes(shape, cfg, states: RankStates) -> int:
     size = single._trainable_size(cfg)
     if cfg.method != "full":
-        return max((cfg.lora.rank * max(i, o) for _, i, o in single.adapted_linears(shape, cfg)), default=0) * 4
+        return max((cfg.lora.rank * max(i, o) for _, i, o in adapted_linears(shape, cfg)), default=0) * 4
     largest = max([shape.embedding_params, shape.lm_head_params] + [i * o for _, i, o in shape.linear])
     if cfg.tensor_parallel > 1:
         largest = max(shape.embedding_params, shape.lm_head_params,
@@ -180,10 +177,8 @@ def rank_moments(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) ->
 def rank_estimate(cfg, gpus: int, device: str = "cuda", model_config=None) -> Estimate:
     """The largest per-rank peak (over pipeline stages) as an Estimate, same fields as one GPU's."""
     if model_config is None:
-        from memfit.models.loading import load_model_config
-
         model_config, _ = load_model_config(cfg.model)
-    shape = single.model_shape(model_config)
+    shape = model_shape(model_config)
     stages = range(cfg.pipeline_parallel) if cfg.pipeline_parallel > 1 else [0]
     best = None
     for stage in stages:

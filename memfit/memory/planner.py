@@ -12,13 +12,16 @@ import logging
 import time
 from dataclasses import dataclass
 
-from memfit.config import RunConfig
+from memfit.config import RunConfig, build_config
 from memfit.errors import MemfitError
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
 from memfit.memory.estimate import Estimate
 from memfit.memory.gpus import DEFAULT_GPU, GPU, GPUS, find_gpu
 from memfit.memory.model_shape import model_shape, trainable_params
 from memfit.memory.search import SEARCHED, Candidate, SearchResult, config_summary, search
+from memfit.memory.single_device import _trainable_size
+from memfit.memory.trace import trace_estimate
+from memfit.models.loading import load_model_config
 from memfit.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
@@ -78,8 +81,6 @@ def plan(model_name: str, cfg: RunConfig, budget_bytes: int | None = None, gpus:
          fixed: set[str] | None = None, max_micro_batch: bool = False, max_seq_len: bool = False,
          host_ram: int | None = None) -> Plan:
     """Estimate `cfg` for `model_name`; with a budget, search for the fastest plan that fits."""
-    from memfit.models.loading import load_model_config
-
     if gpus < 1:
         raise MemfitError(f"--gpus: must be 1 or more (got {gpus})")
     if budget_bytes is not None and budget_bytes <= 0:
@@ -115,8 +116,6 @@ def plan(model_name: str, cfg: RunConfig, budget_bytes: int | None = None, gpus:
 
 def _validated(cfg: RunConfig) -> RunConfig:
     """The chosen plan through the same checks `memfit train` runs on a YAML file."""
-    from memfit.config import build_config
-
     return build_config(cfg.model_dump(mode="json"), "planned config")
 
 
@@ -125,11 +124,6 @@ def _engine_estimate(cfg: RunConfig, model_config, device: str, engine: str, gpu
         return analytic_estimate(cfg, model_config, device=device, gpus=gpus)
     if engine != "traced":
         raise MemfitError(f"--engine: unknown '{engine}'; allowed: analytic, traced")
-    try:
-        from memfit.memory.trace import trace_estimate
-    except ImportError:
-        raise MemfitError("--engine traced: the traced engine (memfit.memory.trace) is not in this build; "
-                          "use --engine analytic") from None
     traced = trace_estimate(cfg, device=device)
     analytic = analytic_estimate(cfg, model_config, device=device, gpus=gpus)
     # host RAM beyond the training tensors (runtime, loading path, data) comes from the analytic terms
@@ -204,8 +198,6 @@ def resolve_budget(cfg: RunConfig) -> RunConfig:
 
 
 def _model_config(cfg: RunConfig):
-    from memfit.models.loading import load_model_config
-
     return load_model_config(cfg.model)[0]
 
 
@@ -232,8 +224,6 @@ def _count(n: int) -> str:
 
 def plan_text(result: Plan) -> str:
     """The plan as a table; every number in GiB (2^30 bytes), said in the header."""
-    from memfit.memory.analytic import _trainable_size
-
     est, cfg = result.estimate, result.cfg
     shape = model_shape(_model_config(cfg))
     trainable = trainable_params(shape, cfg)

@@ -18,11 +18,16 @@ import itertools
 from dataclasses import dataclass, field
 
 from memfit.config import RunConfig
-from memfit.memory.analytic import activation_bytes, analytic_estimate, device_total_bytes
+from memfit.config.distributed import config_problems, launch_problems
+from memfit.memory.analytic import analytic_estimate, device_total_bytes
+from memfit.memory.single_device import activation_bytes
 from memfit.memory.costs import METHOD_GIVES_UP, OPTIMIZERS, PRECISION_GIVES_UP, QUANTS, step_time
 from memfit.memory.estimate import Estimate
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import ModelShape, model_shape
+from memfit.strategies.optimizer_in_backward import in_backward_problems
+from memfit.strategies.optimizers import optimizer_problems
+from memfit.strategies.quantization import quant_problems
 from memfit.units import format_bytes
 
 GiB = 2**30
@@ -172,11 +177,6 @@ def sequences_per_step(cfg: RunConfig) -> int:
 
 def _problems(cfg: RunConfig, model_config, gpus: int) -> list[str]:
     """The trainer's own rules for a combination (the same functions build_config runs)."""
-    from memfit.config.distributed import config_problems, launch_problems
-    from memfit.strategies.optimizer_in_backward import in_backward_problems
-    from memfit.strategies.optimizers import optimizer_problems
-    from memfit.strategies.quantization import quant_problems
-
     problems = config_problems(cfg) + quant_problems(cfg) + in_backward_problems(cfg) + optimizer_problems(cfg)
     if gpus > 1 or cfg.tensor_parallel > 1 or cfg.pipeline_parallel > 1:
         problems += launch_problems(cfg, gpus, model_config)

@@ -17,6 +17,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Pretra
 
 from memfit.config import ModelConfig
 from memfit.errors import MemfitError
+from memfit.models.presets import load_preset_config, preset_path
 from memfit.models.tokenizer import byte_tokenizer
 from memfit.strategies.attention import attention_implementation
 
@@ -32,8 +33,6 @@ def _has_weights(directory: Path) -> bool:
 
 def load_model_config(spec: ModelConfig) -> tuple[PretrainedConfig, str]:
     """Return (config, source) where source is 'local', 'preset' or 'hub'."""
-    from memfit.models.presets import load_preset_config, preset_path
-
     path = Path(spec.name).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -168,6 +167,4 @@ def load_tokenizer(spec: ModelConfig):
 
 
 def _is_preset(name: str) -> bool:
-    from memfit.models.presets import preset_path
-
     return preset_path(name) is not None

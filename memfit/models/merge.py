@@ -28,6 +28,8 @@ from torch import nn
 
 from memfit.config import ModelConfig, RunConfig, load_config
 from memfit.errors import MemfitError, require
+from memfit.models.loading import build_model, has_weights
+from memfit.strategies.quantization import compute_dtype, dequantize_model, quantize_model
 
 log = logging.getLogger(__name__)
 BASE_DIR = "base_model"
@@ -42,8 +44,6 @@ def base_dtype(cfg: RunConfig) -> torch.dtype:
 def save_adapter_outputs(model: nn.Module, cfg: RunConfig, out: Path) -> None:
     """After the adapter is saved: keep a random-init base next to it, and merge if asked.
     Called at the end of training; it unloads the adapters from `model` (no further use)."""
-    from memfit.models.loading import has_weights
-
     if cfg.method == "full":
         return
     if not has_weights(cfg.model):
@@ -54,8 +54,6 @@ def save_adapter_outputs(model: nn.Module, cfg: RunConfig, out: Path) -> None:
 
 def save_trained_base(model: nn.Module, cfg: RunConfig, out: Path) -> Path:
     """Write the (dequantized) frozen base of a PeftModel to out/base_model in the base dtype."""
-    from memfit.strategies.quantization import dequantize_model
-
     base = model.unload()  # the original modules back, adapters dropped (they are saved already)
     dequantize_model(base, base_dtype(cfg)).to(base_dtype(cfg))
     target = out / BASE_DIR
@@ -72,9 +70,6 @@ def save_trained_base(model: nn.Module, cfg: RunConfig, out: Path) -> Path:
 def load_base(run_dir: Path, cfg: RunConfig) -> nn.Module:
     """The base exactly as training saw it (dequantized when the run quantized it)."""
     from transformers import AutoModelForCausalLM
-
-    from memfit.models.loading import build_model
-    from memfit.strategies.quantization import compute_dtype, dequantize_model, quantize_model
 
     dtype = base_dtype(cfg)
     if (run_dir / BASE_DIR).is_dir():

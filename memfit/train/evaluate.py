@@ -24,7 +24,8 @@ class EvalResult:
     batches: int
 
     def record(self, step: int) -> dict:
-        return {"step": step, "loss": self.loss, "perplexity": self.perplexity, "tokens": self.tokens}
+        """One metrics.jsonl line; its eval_ names keep it apart from the training lines."""
+        return {"step": step, "eval_loss": self.loss, "eval_perplexity": self.perplexity, "eval_tokens": self.tokens}
 
 
 @torch.no_grad()

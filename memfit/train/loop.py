@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -13,19 +13,22 @@ from tqdm.auto import tqdm
 
 from memfit.build import build_run
 from memfit.config import RunConfig
-from memfit.data.loader import build_batch_stream
+from memfit.data.loader import build_batch_stream, eval_batches
 from memfit.distributed import deepspeed_engine, launch
 from memfit.distributed.checkpoint import checkpoint_functions, unwrap, write_rank_memory
 from memfit.distributed.sharding import builds_on_meta, initial_device, shard
 from memfit.errors import MemfitError
 from memfit.memory.report import MemoryReport
 from memfit.memory.planner import resolve_budget
+from memfit.memory.trace import trace_estimate
 from memfit.models.loading import load_model_config, load_tokenizer
 from memfit.models.merge import save_adapter_outputs
-from memfit.train.checkpoint import (CHECKPOINTS_DIR, discard_checkpoints, latest_step_name, resume_state,
+from memfit.checkpoint import (CHECKPOINTS_DIR, discard_checkpoints, latest_step_name, resume_state,
                                      save_checkpoint)
 from memfit.train.schedule import make_scheduler
 from memfit.train.signals import StopOnSignal, TrainingStopped
+from memfit.train.evaluate import evaluate
+from memfit.train.metrics import MetricsLog, default_sinks
 from memfit.train.oom import OomRecovery, make_tracker, resolve_micro_batch, split_batches
 from memfit.step import step_strategies, training_step
 from memfit.units import format_bytes
@@ -87,6 +90,8 @@ def prepare_output_dir(cfg: RunConfig) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     if not cfg.resume:
         (out / "metrics.jsonl").unlink(missing_ok=True)
+        for folder in ("tensorboard", "best"):  # memfit's own outputs of the run this one replaces
+            shutil.rmtree(out / folder, ignore_errors=True)
         discard_checkpoints(out)
     if not (cfg.resume and (out / "run_config.yaml").exists()):  # a resumed run keeps its record as is
         tmp = out / ".run_config.yaml.tmp"  # written aside and renamed: a kill never leaves half a config
@@ -156,7 +161,10 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
     nonfinite_in_row = 0
     bar = tqdm(range(state.step + 1, cfg.max_steps + 1), initial=state.step, total=cfg.max_steps,
                desc="training", unit="step", disable=not (progress and dist.is_main))
-    with tracker, StopOnSignal() as stop, launch.main_only_file(dist, out / "metrics.jsonl") as metrics:
+    evaluation = eval_batches(cfg, tokenizer) if cfg.eval.enabled else None
+    best_eval = float("inf")
+    sinks = cfg.report_to if cfg.report_to is not None else default_sinks()
+    with tracker, StopOnSignal() as stop, MetricsLog(out, sinks, cfg.model_dump(mode="json"), dist.is_main) as metrics:
         tracker.tag_module(model)
         peak_shape = None
         for step in bar:
@@ -184,13 +192,21 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
             bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_s:,.0f}",
                             peak=format_bytes(tracker.peak_bytes))
             if step % cfg.log_every == 0 or step in (1, cfg.max_steps):
-                metrics.write(json.dumps({
+                metrics.write({
                     "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
                     "skipped": result.skipped, "nonfinite": result.nonfinite, "tokens_per_s": round(tokens_per_s, 1),
                     "tokens": result.tokens, "step_time_s": round(step_time_s, 4),
                     "epoch": stream.epoch, "peak_bytes": tracker.peak_bytes,
-                    "peak_by_category_bytes": tracker.peak_by_category()}) + "\n")
-                metrics.flush()
+                    "peak_by_category_bytes": tracker.peak_by_category()})
+            if evaluation is not None and (step == cfg.max_steps or (cfg.eval.every and step % cfg.eval.every == 0)):
+                scores = evaluate(model, evaluation, strategies["loss_fn"], precision.autocast, tracker, device)
+                metrics.write(scores.record(step), prefix="eval")
+                if dist.is_main and progress:
+                    bar.write(f"step {step}: eval loss {scores.loss:.4f}, perplexity {scores.perplexity:,.2f} "
+                              f"({scores.tokens:,} tokens)")
+                if cfg.eval.save_best and scores.loss < best_eval:  # sharded: every rank takes part
+                    best_eval = scores.loss
+                    save_weights(model, tokenizer, out / "best")
             if nonfinite_in_row >= cfg.max_nonfinite_steps:
                 last = latest_step_name(out / CHECKPOINTS_DIR)
                 raise NonFiniteError(
@@ -238,8 +254,6 @@ def add_estimate(report: MemoryReport, cfg: RunConfig, device: torch.device, sha
     real batches are padded to their longest example, so comparing them with the full-length plan would
     mix a shape effect into the estimator's error. The full-length plan stays as the worst-case line.
     An estimate is a side result: if tracing fails, the report says so instead of the run failing."""
-    from memfit.memory.trace import trace_estimate
-
     try:
         worst = trace_estimate(cfg, device=device.type)
         at_peak = worst

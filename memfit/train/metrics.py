@@ -33,7 +33,7 @@ def scalars(record: dict, prefix: str) -> dict[str, float]:
         if isinstance(value, dict):
             out.update({f"memory/{name}_bytes": float(v) for name, v in value.items() if _number(v)})
         elif _number(value):
-            out[f"{prefix}/{key}"] = float(value)
+            out[f"{prefix}/{key.removeprefix(prefix + '_')}"] = float(value)  # eval_loss -> eval/loss
     return out
 
 

@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from memfit.errors import MemfitError
+from memfit.memory.trace import trace_estimate
 from memfit.memory.tracker import MemoryTracker, NullTracker
 from memfit.units import format_bytes, parse_bytes
 
@@ -185,8 +186,6 @@ def resolve_micro_batch(cfg, device: torch.device, estimate_fn=None, limit: int 
     if cfg.micro_batch != "auto":
         return cfg
     if estimate_fn is None:
-        from memfit.memory.trace import trace_estimate
-
         estimate_fn = lambda c, dev: trace_estimate(c, dev)  # noqa: E731
     budget, source = memory_available_bytes(cfg, device)
     if not fits(cfg, 1, budget, device, estimate_fn):

@@ -169,7 +169,7 @@ def _snapshot(root: Path) -> dict[Path, bytes]:
 
 
 def _fill_disk_on_step_2(monkeypatch) -> None:
-    from memfit.train import checkpoint
+    from memfit import checkpoint
 
     real = checkpoint._write_bytes
 
@@ -242,7 +242,7 @@ def test_bad_input_is_refused_clearly_and_damages_nothing(case, tmp_path, capsys
     for needle in case.mentions:
         assert needle in message, f"{needle!r} missing from: {message}"
     if case.id == "disk-full":  # the previous checkpoint is whole and still resumable
-        from memfit.train.checkpoint import checkpoint_dirs, verify
+        from memfit.checkpoint import checkpoint_dirs, verify
 
         kept = checkpoint_dirs(tmp_path / "run" / "checkpoints")
         assert [p.name for p in kept] == ["step-00000001"] and verify(kept[0]) is None

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 import memfit.train.loop as loop
 from memfit.config import load_config
 from memfit.errors import MemfitError
-from memfit.train.checkpoint import PAUSE_ENV, checkpoint_dirs, verify
+from memfit.checkpoint import PAUSE_ENV, checkpoint_dirs, verify
 from memfit.train.signals import TrainingStopped
 
 REPO = Path(__file__).resolve().parents[2]

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+from pydantic import ValidationError
 
 from memfit.config import ConfigError, RunConfig, load_config
 
@@ -10,7 +11,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "memfit" / "configs"
 def test_defaults_are_valid_and_frozen():
     cfg = load_config()
     assert cfg.precision == "fp32" and cfg.checkpoint_every == 0
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError, match="frozen"):
         cfg.precision = "bf16-mixed"
 
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from memfit.data.batching import collate
 from memfit.data.examples import IGNORE_INDEX
-from memfit.data.loader import collate
 from memfit.data.packing import pack_examples
 from memfit.models.presets import load_preset_config
 

@@ -9,8 +9,9 @@ import torch
 
 from memfit.build import build_run
 from memfit.config import load_config
-from memfit.memory import analytic
-from memfit.memory.analytic import analytic_estimate, model_shape
+from memfit.memory import single_device as terms
+from memfit.memory.analytic import analytic_estimate
+from memfit.memory.model_shape import model_shape
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.loading import build_model, load_model_config
 from memfit.models.presets import load_preset_config
@@ -80,8 +81,8 @@ def test_model_states_equal_tracked_bytes_exactly():
     cfg = load_config(None, ["micro_batch=1", "seq_len=16"])
     _, by_category = measure_peak(cfg, steps=1)
     shape = model_shape(load_model_config(cfg.model)[0])
-    assert abs(analytic.weights_bytes(shape, cfg) - by_category["weights"]) <= 256
-    assert abs(analytic.optimizer_state_bytes(shape, cfg) - by_category["optimizer_states"]) <= 4 * 64
+    assert abs(terms.weights_bytes(shape, cfg) - by_category["weights"]) <= 256
+    assert abs(terms.optimizer_state_bytes(shape, cfg) - by_category["optimizer_states"]) <= 4 * 64
 
 
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear"])
@@ -91,7 +92,7 @@ def test_lora_parameter_count_matches_peft(targets):
     model = apply_method(build_model(cfg.model), cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     shape = model_shape(load_model_config(cfg.model)[0])
-    assert analytic.trainable_params(shape, cfg) == trainable
+    assert terms.trainable_params(shape, cfg) == trainable
 
 
 def test_parameter_count_matches_a_real_build():
@@ -103,7 +104,7 @@ def test_parameter_count_matches_a_real_build():
 def test_seed_175b_fp16_weights_are_about_350_gb():
     cfg = load_config(None, ["model=gpt3-175b", "precision=bf16-pure", "micro_batch=1", "seq_len=128"])
     shape = model_shape(load_preset_config("gpt3-175b"))
-    weights = analytic.weights_bytes(shape, cfg)
+    weights = terms.weights_bytes(shape, cfg)
     assert 345 * GB <= weights <= 355 * GB
     assert weights == 2 * shape.total_params
 
@@ -111,7 +112,7 @@ def test_seed_175b_fp16_weights_are_about_350_gb():
 def test_seed_7b_adam_states_in_16_bit_are_28_gb():
     cfg = load_config(None, ["model=meta-llama/Llama-2-7b-hf", "precision=bf16-pure", "optimizer=adamw"])
     shape = model_shape(load_preset_config("meta-llama/Llama-2-7b-hf"))
-    states = analytic.optimizer_state_bytes(shape, cfg)
+    states = terms.optimizer_state_bytes(shape, cfg)
     assert states == 4 * shape.total_params  # momentum + variance, 2 bytes each
     assert states / shape.total_params * 7e9 == 28 * GB
 
@@ -122,19 +123,19 @@ def test_mixed_precision_adamw_is_16_bytes_per_parameter_before_activations():
     backward (~2 B) are counted with the activations."""
     cfg = load_config(None, ["model=meta-llama/Llama-2-7b-hf", "precision=bf16-mixed"])
     shape = model_shape(load_preset_config("meta-llama/Llama-2-7b-hf"))
-    states = (analytic.weights_bytes(shape, cfg) + analytic.gradient_bytes(shape, cfg)
-              + analytic.optimizer_state_bytes(shape, cfg))
+    states = (terms.weights_bytes(shape, cfg) + terms.gradient_bytes(shape, cfg)
+              + terms.optimizer_state_bytes(shape, cfg))
     assert states == 16 * shape.total_params
-    copies = analytic._weight_copies_bytes(shape, cfg)
+    copies = terms._weight_copies_bytes(shape, cfg)
     assert 1.9 * shape.total_params <= copies <= 2.0 * shape.total_params
 
 
 def test_qlora_weights_use_4_bit_blocks():
-    assert analytic.quantized_bytes_per_param("nf4") == pytest.approx(0.5625)
-    assert analytic.quantized_bytes_per_param("nf4-dq") == pytest.approx(0.5 + 1 / 64 + 4 / 16384)
+    assert terms.quantized_bytes_per_param("nf4") == pytest.approx(0.5625)
+    assert terms.quantized_bytes_per_param("nf4-dq") == pytest.approx(0.5 + 1 / 64 + 4 / 16384)
     shape = model_shape(load_preset_config("meta-llama/Llama-2-7b-hf"))
     qlora = load_config(None, ["method=qlora", "precision=bf16-mixed", "lora.rank=8"])
-    weights = analytic.weights_bytes(shape, qlora)
+    weights = terms.weights_bytes(shape, qlora)
     # 6.48 B block-linear parameters at ~0.52 B + 0.26 B embeddings/head at 2 B + adapters at 4 B
     assert 3.8 * GB < weights < 4.0 * GB
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 
 from memfit.config import load_config
-from memfit.memory import analytic
+from memfit.memory.model_shape import model_shape
 from memfit.memory.distributed_estimate import rank_estimate, rank_states, zero_model_states_like_deepspeed
 from memfit.models.loading import load_model_config
 
 
 @pytest.fixture(scope="module")
 def shape():
-    return analytic.model_shape(load_model_config(load_config(None, []).model)[0])
+    return model_shape(load_model_config(load_config(None, []).model)[0])
 
 
 def _states(shape, *overrides, gpus=4, device="cuda"):

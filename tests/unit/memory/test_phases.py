@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from memfit.config import load_config
-from memfit.memory.analytic import analytic_estimate, device_total_bytes, model_shape, weights_bytes
+from memfit.memory.analytic import analytic_estimate, device_total_bytes
+from memfit.memory.model_shape import model_shape
+from memfit.memory.single_device import weights_bytes
 from memfit.models.presets import load_preset_config
 
 LLAMA8 = "meta-llama/Llama-3.1-8B"

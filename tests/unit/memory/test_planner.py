@@ -6,7 +6,9 @@ import pytest
 
 from memfit.config import load_config
 from memfit.errors import MemfitError
-from memfit.memory.analytic import analytic_estimate, device_total_bytes, model_shape, optimizer_state_bytes
+from memfit.memory.analytic import analytic_estimate, device_total_bytes
+from memfit.memory.model_shape import model_shape
+from memfit.memory.single_device import optimizer_state_bytes
 from memfit.memory.costs import OPTIMIZERS, step_time
 from memfit.memory.gpus import find_gpu
 from memfit.memory.planner import plan, resolve_budget

@@ -12,8 +12,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from memfit.data.loader import BatchStream
-from memfit.train import checkpoint as ckpt
-from memfit.train.checkpoint import (CheckpointError, TrainerState, find_good_checkpoint, load_checkpoint,
+from memfit import checkpoint as ckpt
+from memfit.checkpoint import (CheckpointError, TrainerState, find_good_checkpoint, load_checkpoint,
                                      save_checkpoint, truncate_metrics, verify)
 
 
@@ -110,7 +110,7 @@ def test_damaged_newest_checkpoint_falls_back_to_previous_with_a_message(tmp_pat
     _save(tmp_path, 2, model, optimizer)
     newest = _save(tmp_path, 4, model, optimizer)
     damage(newest)
-    with caplog.at_level(logging.WARNING, logger="memfit.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="memfit.checkpoint"):
         found = find_good_checkpoint(tmp_path)
     assert found.name == "step-00000002"
     assert "step-00000004 is damaged" in caplog.text and problem in caplog.text

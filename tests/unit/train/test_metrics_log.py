@@ -24,7 +24,7 @@ def test_tensorboard_holds_what_metrics_jsonl_holds(tmp_path):
     with MetricsLog(tmp_path, ["tensorboard"], {"lr": 1e-3}) as log:
         log.write(RECORD)
         log.write({**RECORD, "step": 4, "loss": 2.0})
-        log.write({"step": 4, "loss": 2.2, "perplexity": 9.03}, prefix="eval")
+        log.write({"step": 4, "eval_loss": 2.2, "eval_perplexity": 9.03}, prefix="eval")
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [line["step"] for line in lines] == [3, 4, 4]
     events = EventAccumulator(str(tmp_path / "tensorboard"))

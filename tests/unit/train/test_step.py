@@ -3,7 +3,7 @@
 import torch
 
 from memfit.config import ModelConfig
-from memfit.data.loader import IGNORE_INDEX
+from memfit.data.examples import IGNORE_INDEX
 from memfit.memory.tracker import NullTracker
 from memfit.models.loading import build_model
 from memfit.strategies.precision import make_precision

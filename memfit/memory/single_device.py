@@ -1,0 +1,389 @@
+"""Closed-form bytes of a training run on one device: one function per category.
+
+The traced engine (memory/trace.py) runs the real step on fake tensors; this engine reproduces the
+same numbers from formulas, fast enough to search hundreds of candidate configurations. Every term
+is documented in docs/planner.md; the activation terms count exactly the tensors the transformers
+blocks save for backward (read off the tracker on tiny models, see tests/unit/memory/test_analytic.py).
+
+Structure: `model_shape` (memory/model_shape.py) reads the architecture once (parameter counts by kind, from a `meta`
+build); `weights_bytes`, `gradient_bytes`, `optimizer_state_bytes`, `activation_bytes`,
+`peak_candidates` (temporaries) and `runtime_overheads` each return bytes for one category;
+memory/analytic.py assembles the peak from them, with memory/distributed_estimate.py's per-rank terms.
+"""
+
+from __future__ import annotations
+
+import math
+
+from memfit.config import RunConfig
+from memfit.data.ram import estimate_data_ram_bytes
+from memfit.memory.costs import OPTIMIZERS, QUANTS, checkpointed_layers
+from memfit.memory.model_shape import ModelShape, adapted_linears, linear_leaf_names, lora_params, trainable_params
+from memfit.strategies.loss import auto_chunk_tokens
+
+MiB, GiB = 2**20, 2**30
+
+# --- named runtime overheads for CUDA (justified in docs/planner.md) ------------------------------
+CUDA_CONTEXT_BYTES = 500 * MiB       # driver context + kernel images (lazy loading); nvidia-smi shows it,
+                                     # torch.cuda.max_memory_reserved does not
+CUBLAS_WORKSPACE_BYTES = 32 * MiB    # cuBLAS(Lt) workspace, taken from the caching allocator (Hopper size)
+ALLOCATOR_SEGMENT_BYTES = 2 * MiB    # caching allocator: large blocks come from segments rounded to 2 MiB
+CPU_RUNTIME_BYTES = 400 * MiB        # python + torch + transformers + peft + memfit imported: peak RSS measured
+                                     # 0.39 GiB on the 2-core CPU machine (2026-12-02)
+CUDA_HOST_BYTES = 1 * GiB            # assumed host RSS of the CUDA runtime and kernels (not measured here;
+                                     # bench/gpu_validate.py records the real process RSS)
+
+def _weight_size(cfg: RunConfig) -> int:
+    """Bytes per parameter of the model's weights (fp32 master weights unless bf16-pure)."""
+    return 2 if cfg.precision == "bf16-pure" else 4
+
+
+def _compute_size(cfg: RunConfig) -> int:
+    """Bytes per element of matmul outputs: 2 under 16-bit autocast, else the weights' size."""
+    return 2 if cfg.precision in ("bf16-mixed", "fp16-mixed") else _weight_size(cfg)
+
+
+def _quant_mode(cfg: RunConfig) -> str:
+    if cfg.method != "qlora":
+        return getattr(cfg, "quant", "none") or "none"
+    quant = getattr(cfg, "quant", "none")
+    return "nf4-dq" if quant in (None, "none") else quant
+
+
+def quantized_bytes_per_param(mode: str) -> float:
+    """Storage of one quantized base weight, block scales included (the table in memory/costs.py)."""
+    return QUANTS[mode].bytes_per_param
+
+
+# --- categories --------------------------------------------------------------------------------------
+def weights_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Base weights (quantized block linears under QLoRA/int8) + LoRA adapters (fp32: peft upcasts)."""
+    size = _weight_size(cfg)
+    quant = _quant_mode(cfg)
+    if quant != "none":
+        block = shape.block_linear_params
+        rest = shape.total_params - block
+        rest_size = 4 if cfg.precision == "fp32" else 2  # non-quantized weights in the compute dtype
+        base = math.ceil(block * quantized_bytes_per_param(quant)) + rest * rest_size
+    else:
+        base = shape.total_params * size
+    return base + lora_params(shape, cfg) * 4
+
+
+def _trainable_size(cfg: RunConfig) -> int:
+    return 4 if cfg.method != "full" else _weight_size(cfg)  # adapters are fp32 (peft's autocast_adapter_dtype)
+
+
+def gradient_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """One gradient per trainable parameter, in the parameter's dtype."""
+    return trainable_params(shape, cfg) * _trainable_size(cfg)
+
+
+def optimizer_state_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Optimizer states per trainable parameter (the table in memory/costs.py)."""
+    n = trainable_params(shape, cfg)
+    if cfg.optimizer == "adafactor":
+        # row + column second-moment factors per matrix, fp32
+        mats = shape.linear if cfg.method == "full" else []
+        factored = sum(i + o for _, i, o in mats) + shape.total_params - shape.block_linear_params
+        if cfg.method != "full":
+            factored = sum(i + cfg.lora.rank + cfg.lora.rank + o for _, i, o in adapted_linears(shape, cfg))
+        return factored * 4
+    cost = OPTIMIZERS[cfg.optimizer]
+    per = cost.state_bytes_fp32 if _trainable_size(cfg) == 4 else cost.state_bytes_16bit
+    return math.ceil(n * per)
+
+
+def _layer_activation_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> float:
+    """Bytes one decoder layer saves for backward, per token (not counting attention scores).
+
+    Derived from the tensors the transformers blocks keep alive between forward and backward:
+    the residual stream (read by each norm's backward), each norm's normalised input, what every
+    trainable linear needs (its input; under autocast each linear keeps its own 16-bit copy of its
+    input), the attention inputs/output (q, k, v, out, log-sum-exp) and the MLP intermediates."""
+    h, q, kv, i = shape.hidden, shape.q_dim, shape.kv_dim, shape.intermediate * shape.experts_per_token
+    p, c = _weight_size(cfg), _compute_size(cfg)
+    mixed = c != p
+    full = cfg.method == "full"
+    adapted = {name.rsplit(".", 1)[-1] for name, _, _ in adapted_linears(shape, cfg)}
+
+    def trains(*names) -> int:  # number of these linears whose input must be saved
+        return sum(1 for n in names if full or n in adapted)
+
+    # residual stream: the input of each norm (its backward reads it). A bf16 model's RMSNorm keeps an
+    # fp32 copy of its input instead, so there the residual itself is not kept.
+    pure = cfg.precision == "bf16-pure"
+    total = 0 if pure else shape.norms_per_layer * h * p
+    # norm internals: fp32 x*rsqrt (kept for the norm weight's gradient), rsqrt; bf16 model: fp32 copy of
+    # x and the 16-bit normalised value
+    norm_inner = (4 * h + 2 * h * full if pure else 4 * h * full) + 4
+    if shape.family == "gpt":  # LayerNorm keeps mean and rstd, and its normalised output for the weight grad
+        norm_inner = (p * h if full else 0) + 8
+    total += shape.norms_per_layer * norm_inner
+    # linear inputs: the attention-block input (q, k, v) and the MLP input (gate, up / fc1)
+    attn_in = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+    mlp_in = ("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "dense_h_to_4h", "w1", "w3")
+    leaves = linear_leaf_names(shape)
+    n_attn = trains(*[n for n in attn_in if n in leaves])
+    n_mlp = trains(*[n for n in mlp_in if n in leaves])
+    if mixed:
+        total += (n_attn + n_mlp) * c * h
+    else:
+        total += ((n_attn > 0) + (n_mlp > 0)) * p * h
+    # attention: q (after RoPE), k, v, the output (also the o_proj input), log-sum-exp (fp32 per head)
+    total += c * (2 * q + 2 * kv) + 4 * shape.heads
+    # MLP: gated = up, gate, act(gate) and their product (the down_proj input, kept only if it trains)
+    down = trains("down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2")
+    if shape.family == "llama":
+        total += c * i * (3 + (1 if down else 0))
+    else:  # fc1 output (kept by the activation) + activation output (the fc2 input)
+        total += c * i * (1 + (1 if down else 0))
+    # LoRA: each adapter keeps its rank-r intermediate (the input is already counted above)
+    total += len(adapted) * cfg.lora.rank * 4 if not full else 0
+    return total
+
+
+def _attention_scores_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Eager attention keeps the [batch, heads, seq, seq] probabilities (fp32 softmax, + a 16-bit copy)."""
+    if cfg.attention != "eager":
+        return 0
+    per = 4 if _compute_size(cfg) == 4 else 6
+    return cfg.micro_batch * shape.heads * cfg.seq_len * cfg.seq_len * per
+
+
+_checkpointed_layers = checkpointed_layers
+
+
+def _weight_copies_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Under autocast every matmul keeps the 16-bit copy of its weight that it computed with
+    (needed for the input gradient); checkpointed layers recompute theirs in the backward."""
+    if _compute_size(cfg) == _weight_size(cfg) or _quant_mode(cfg) != "none":
+        return 0
+    per_layer = shape.block_linear_params / shape.layers
+    live_layers = shape.layers - _checkpointed_layers(shape, cfg)
+    head = shape.lm_head_params or shape.embedding_params
+    return int(2 * (per_layer * live_layers + head))
+
+
+def _norm_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> float:
+    """One norm: its input (unless a bf16 model's fp32 copy replaces it) and its internals."""
+    h, p, full = shape.hidden, _weight_size(cfg), cfg.method == "full"
+    if cfg.precision == "bf16-pure":
+        return 4 * h + 2 * h * full + 4
+    return h * p + 4 * h * full + 4
+
+
+def _layer_bytes(shape: ModelShape, cfg: RunConfig) -> float:
+    """Everything one decoder layer saves for one micro-batch."""
+    tokens = cfg.micro_batch * cfg.seq_len
+    return _layer_activation_bytes_per_token(shape, cfg) * tokens + _attention_scores_bytes(shape, cfg)
+
+
+def _loss_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """The log-softmax output the cross-entropy keeps, fp32 (transformers upcasts the logits)."""
+    return cfg.micro_batch * cfg.seq_len * shape.vocab * 4
+
+
+def _chunk_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """One chunk of the chunked loss: its fp32 logits (chunk tokens x vocab x 4 B)."""
+    tokens = cfg.micro_batch * cfg.seq_len
+    return min(tokens, auto_chunk_tokens(tokens, shape.vocab, shape.hidden)) * shape.vocab * 4
+
+
+def _loss_buffer_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """The loss's two largest transient blocks: d log-softmax and d logits over all tokens, or with
+    the chunked loss two of one chunk's buffers."""
+    return 2 * (_chunk_bytes(shape, cfg) if cfg.chunked_loss else _loss_bytes(shape, cfg))
+
+
+def activation_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Tensors saved for backward at the end of one micro-batch's forward (the backward's start)."""
+    tokens = cfg.micro_batch * cfg.seq_len
+    p, c, full = _weight_size(cfg), _compute_size(cfg), cfg.method == "full"
+    ckpt = _checkpointed_layers(shape, cfg)
+    layers = (shape.layers - ckpt) * _layer_bytes(shape, cfg) + ckpt * tokens * shape.hidden * p  # ckpt: input only
+    if not full:  # the first layer's input is the frozen embedding's output: no gradient, not kept
+        layers -= tokens * shape.hidden * p if shape.layers > ckpt else 0
+    rope = 2 * cfg.seq_len * shape.head_dim * p if shape.family == "llama" else 0
+    batch = 4 * tokens * 8  # input_ids, attention_mask, labels and the shifted labels, int64
+    return int(layers + _head_bytes(shape, cfg) + _loss_bytes(shape, cfg) + rope + batch
+               + _weight_copies_bytes(shape, cfg))
+
+
+def _head_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """What the final norm and the lm_head save; both are freed before the last layer's backward."""
+    tokens = cfg.micro_batch * cfg.seq_len
+    p, c, full = _weight_size(cfg), _compute_size(cfg), cfg.method == "full"
+    # lm_head input: kept when lm_head trains, or as the 16-bit autocast copy; shared in fp32
+    head_input = tokens * shape.hidden * c if (c != p or full) else 0
+    return int(tokens * _norm_bytes_per_token(shape, cfg) + head_input)
+
+
+def _layer_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
+    """Gradient buffers alive inside one layer's backward: in the MLP, the gradients of its
+    intermediates (down input, act output, up output: 3 x tokens x intermediate, 2 for a plain MLP),
+    less the down projection's saved input once its own backward has freed it, plus the gradient
+    of the residual stream that runs through every layer (in the weights' dtype)."""
+    tokens = cfg.micro_batch * cfg.seq_len
+    width = shape.intermediate * shape.experts_per_token
+    c = _compute_size(cfg)
+    intermediates = width * c * (3 if shape.family == "llama" else 2)
+    freed = width * c if _down_input_saved(shape, cfg) else 0
+    return int(tokens * (intermediates - freed + _weight_size(cfg) * shape.hidden))
+
+
+def _down_input_saved(shape: ModelShape, cfg: RunConfig) -> bool:
+    """Whether the MLP's down projection keeps its input (it trains, or carries an adapter)."""
+    if cfg.method == "full":
+        return True
+    adapted = {name.rsplit(".", 1)[-1] for name, _, _ in adapted_linears(shape, cfg)}
+    return bool(adapted & {"down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2"})
+
+
+def _dequant_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """QLoRA: one base linear dequantized to the compute dtype at a time (forward and backward)."""
+    return max(i * o for _, i, o in shape.linear) * 2 if _quant_mode(cfg) != "none" else 0
+
+
+def _optimizer_scratch(shape: ModelShape, cfg: RunConfig) -> int:
+    """torch AdamW/SGD/Adafactor (foreach) build one scratch copy of the trainable parameters
+    (e.g. Adam's denominator); bitsandbytes/torchao 8-bit optimizers update block by block."""
+    if OPTIMIZERS[cfg.optimizer].foreach_scratch:
+        return trainable_params(shape, cfg) * _trainable_size(cfg)
+    return 0
+
+
+def peak_candidates(shape: ModelShape, cfg: RunConfig) -> dict[str, dict[str, int]]:
+    """Bytes per category at the moments where a step can peak; the largest total is the peak.
+
+    backward_start  all activations + the loss gradient (d log-softmax and d logits, fp32 T x V)
+    backward_last   the last layer's backward: the log-softmax output is freed, that layer's MLP
+                    gradient buffers (and, if checkpointed, its recomputed activations) are alive
+    backward_first  the first layer's backward: only its activations remain, nearly all gradients exist
+    optimizer_step  weights + gradients + states + the optimizer's scratch
+    Under gradient accumulation, the gradients of earlier micro-batches are alive throughout."""
+    tokens = cfg.micro_batch * cfg.seq_len
+    weights = weights_bytes(shape, cfg)
+    grads = gradient_bytes(shape, cfg)
+    states = optimizer_state_bytes(shape, cfg)
+    acts = activation_bytes(shape, cfg)
+    layer = int(_layer_bytes(shape, cfg))
+    buffers = _layer_gradient_buffers(shape, cfg) + _dequant_bytes(shape, cfg)
+    accumulated = grads if cfg.grad_accum > 1 else 0
+    ckpt_every = cfg.checkpoint_every
+    last_ckpt = bool(ckpt_every) and (shape.layers - 1) % ckpt_every == 0
+    # a recomputed layer's saved tensors include its residual input (not in bf16-pure, where the
+    # norm keeps an fp32 copy instead), which the checkpoint already holds in the activations
+    ckpt_input = 0 if cfg.precision == "bf16-pure" else tokens * shape.hidden * _weight_size(cfg)
+    # the first layer's backward: everything else freed; its own activations (recomputed if checkpointed)
+    grads_before_first = grads - (grads // shape.layers if cfg.method == "full" else 0)
+    small = 4 * tokens * 8 + 2 * cfg.seq_len * shape.head_dim * 4
+    base = dict(weights=weights, optimizer_states=states)
+    return {
+        "backward_start": dict(base, gradients=accumulated, activations=acts,
+                               temporaries=2 * _loss_bytes(shape, cfg) + _dequant_bytes(shape, cfg)),
+        "backward_last": dict(base, gradients=accumulated,
+                              activations=acts - _loss_bytes(shape, cfg) - _head_bytes(shape, cfg),
+                              temporaries=buffers + (layer - ckpt_input if last_ckpt else 0)),
+        "backward_first": dict(base, gradients=max(accumulated, grads_before_first),
+                               activations=small + (0 if ckpt_every else layer),
+                               temporaries=buffers + (layer if ckpt_every else 0)),
+        "optimizer_step": dict(base, gradients=grads, activations=0, temporaries=_optimizer_scratch(shape, cfg)),
+    }
+
+
+def runtime_overheads(cfg: RunConfig, device: str, transient_bytes: int) -> dict[str, int]:
+    """Memory the tracker cannot see. On CUDA: the context (outside the allocator), the cuBLAS
+    workspace, and the allocator's reserve: blocks freed during the step stay cached and cannot
+    always serve differently-sized requests (docs/planner.md)."""
+    if device != "cuda":
+        return {}
+    return {"cuda_context": CUDA_CONTEXT_BYTES, "cublas_workspace": CUBLAS_WORKSPACE_BYTES,
+            "allocator_reserve": int(transient_bytes)}
+
+
+def cpu_ram_bytes(shape: ModelShape, cfg: RunConfig, device: str) -> dict[str, int]:
+    """Host RAM: the runtime, the loading path, the data side, anything offloaded."""
+    terms = {"runtime": CPU_RUNTIME_BYTES + (CUDA_HOST_BYTES if device == "cuda" else 0)}
+    # safetensors are memory-mapped; from_pretrained materialises one full copy in the load dtype
+    # (on CUDA it then moves to the GPU and the host copy is freed, so the peak is one copy).
+    load = shape.total_params * (2 if cfg.precision != "fp32" else 4)
+    terms["model_load"] = load
+    try:  # the data engineer's estimate when present
+        terms["data"] = int(estimate_data_ram_bytes(cfg))
+    except Exception:  # noqa: BLE001 - optional module; fall back to a documented simple term
+        terms["data"] = 256 * MiB
+    if device == "cpu":  # training on CPU: the whole training state lives in RAM
+        terms["training_state"] = 0  # filled in by analytic_estimate
+    return terms
+
+
+def shard_model_states(by_category: dict[str, int], cfg: RunConfig, gpus: int, where: str = "") -> dict[str, int]:
+    """ZeRO stages divide the model states over the data-parallel ranks (per-rank bytes):
+    zero1 optimizer states, zero2 + gradients, zero3 + weights (FSDP keeps one layer gathered:
+    not counted here). offload moves optimizer states (and with params/all the weights and
+    gradients) to host RAM. The distributed module may refine these terms."""
+    sharding, offload = getattr(cfg, "sharding", "none"), getattr(cfg, "offload", "none")
+    world = max(gpus // (getattr(cfg, "tensor_parallel", 1) * getattr(cfg, "pipeline_parallel", 1)), 1)
+    out = dict(by_category)
+    stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(sharding, 0)
+    for category, from_stage in (("optimizer_states", 1), ("gradients", 2), ("weights", 3)):
+        if stage >= from_stage:
+            out[category] = math.ceil(out[category] / world)
+    if where == "optimizer_step" and stage >= 1:  # each rank steps its own shard
+        out["temporaries"] = math.ceil(out["temporaries"] / world)
+    if offload != "none" and stage >= 2:
+        out["optimizer_states"] = 0
+        if where == "optimizer_step":  # the step runs on the CPU
+            out["temporaries"] = 0
+        if offload in ("params", "all"):
+            out["weights"] = out["gradients"] = 0
+    return out
+
+
+# --- chunked loss, optimizer step in backward, activation offload ------------------------------------------
+# memfit/strategies/{loss,optimizer_in_backward,activation_offload}.py; see docs/beyond.md.
+
+
+def _largest_param_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """The biggest single trainable parameter: the most gradient optimizer_in_backward ever holds."""
+    if cfg.method == "full":
+        largest = max([i * o for _, i, o in shape.linear] + [shape.embedding_params, shape.lm_head_params or 0])
+    else:
+        largest = max([cfg.lora.rank * max(i, o) for _, i, o in adapted_linears(shape, cfg)] or [0])
+    return largest * _trainable_size(cfg)
+
+
+def beyond_basics_terms(candidates: dict[str, dict[str, int]], shape: ModelShape, cfg: RunConfig,
+                        device: str) -> dict[str, dict[str, int]]:
+    """Adjust peak_candidates for chunked_loss, optimizer_in_backward and activation_offload (no-ops when off).
+
+    chunked_loss           the fp32 [tokens x vocab] log-softmax is never saved; in backward one chunk's
+                           logits, log-softmax and their gradient exist at a time (3 x chunk x vocab x 4 B;
+                           chunk = max(64, tokens / ceil(vocab / hidden)) tokens)
+    optimizer_in_backward  at most one parameter's gradient (and the optimizer's scratch for it) at a time
+    activation_offload     (CUDA) saved activations wait in host RAM; the backward brings back one layer's
+                           (and, at its start, the loss's) at a time
+    """
+    out = {moment: dict(values) for moment, values in candidates.items()}
+    tokens = cfg.micro_batch * cfg.seq_len
+    loss = _loss_bytes(shape, cfg)
+    if cfg.chunked_loss:
+        chunk = _chunk_bytes(shape, cfg)
+        out["backward_start"]["activations"] -= loss
+        out["backward_start"]["temporaries"] += 3 * chunk - 2 * loss
+        loss = 0
+    if getattr(cfg, "optimizer_in_backward", False):
+        largest = _largest_param_bytes(shape, cfg)
+        for values in out.values():
+            values["gradients"] = min(values["gradients"], largest)
+        out["optimizer_step"].update(gradients=largest, temporaries=min(out["optimizer_step"]["temporaries"], largest))
+    if cfg.activation_offload and device == "cuda":
+        layer = int(_layer_bytes(shape, cfg))
+        out["backward_start"]["activations"] = min(out["backward_start"]["activations"], loss + layer)
+        # a checkpointed last layer brings back only its input; its recomputed tensors are temporaries
+        every = cfg.checkpoint_every
+        last_ckpt = bool(every) and (shape.layers - 1) % every == 0
+        back = tokens * shape.hidden * _weight_size(cfg) if last_ckpt else layer
+        out["backward_last"]["activations"] = min(out["backward_last"]["activations"], back)
+    return out
