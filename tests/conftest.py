@@ -18,7 +18,8 @@ torch.set_num_threads(2)
 def tiny_overrides(output_dir, **extra) -> list[str]:
     """RunConfig overrides for a fast tiny-llama run on the shipped demo data."""
     base = {"output_dir": str(output_dir), "max_steps": 20, "seq_len": 128, "micro_batch": 8, "lr": 3e-3,
-            "warmup_steps": 2, "data.limit": 256, "log_every": 1, "device": "cpu"}
+            "warmup_steps": 2, "data.limit": 256, "log_every": 1, "device": "cpu",
+            "report_to": "[]"}  # metrics.jsonl only; the TensorBoard sink has tests of its own
     base.update(extra)
     return [f"{k}={v}" for k, v in base.items()]
 

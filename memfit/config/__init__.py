@@ -335,6 +335,18 @@ def _missing_sink_packages(value: list[str] | None) -> list[str] | None:
     return value
 
 
+def eval_problems(cfg: RunConfig) -> list[str]:
+    """Evaluation settings the data path or engine cannot honour."""
+    problems = []
+    if cfg.eval.fraction and (cfg.data.streaming or cfg.data.prepared_dir):
+        problems.append("eval.fraction holds records out of data loaded whole; with data.streaming or "
+                        "data.prepared_dir set eval.data to a held-out file instead")
+    if cfg.eval.enabled and cfg.pipeline_parallel > 1:
+        problems.append("eval with pipeline_parallel > 1 is not supported: the pipeline schedule runs training "
+                        "steps only; set pipeline_parallel: 1 or leave eval off")
+    return problems
+
+
 def build_config(raw: dict, source: str = "config") -> RunConfig:
     """Validate a nested dict; raise ConfigError listing every problem at once."""
     if not isinstance(raw, dict):
@@ -350,7 +362,7 @@ def build_config(raw: dict, source: str = "config") -> RunConfig:
             problems.append(text)
         raise ConfigError(problems, source) from None
     problems = (config_problems(cfg) + deepspeed_problems(cfg) + quant_problems(cfg) + in_backward_problems(cfg)
-                + optimizer_problems(cfg))
+                + optimizer_problems(cfg) + eval_problems(cfg))
     if problems:
         raise ConfigError(problems, source)
     return cfg

@@ -12,25 +12,25 @@ import torch
 from tqdm.auto import tqdm
 
 from memfit.build import build_run
+from memfit.checkpoint import (CHECKPOINTS_DIR, discard_checkpoints, latest_step_name, resume_state,
+                               save_checkpoint)
 from memfit.config import RunConfig
 from memfit.data.loader import build_batch_stream, eval_batches
 from memfit.distributed import deepspeed_engine, launch
 from memfit.distributed.checkpoint import checkpoint_functions, unwrap, write_rank_memory
 from memfit.distributed.sharding import builds_on_meta, initial_device, shard
 from memfit.errors import MemfitError
-from memfit.memory.report import MemoryReport
 from memfit.memory.planner import resolve_budget
+from memfit.memory.report import MemoryReport
 from memfit.memory.trace import trace_estimate
 from memfit.models.loading import load_model_config, load_tokenizer
 from memfit.models.merge import save_adapter_outputs
-from memfit.checkpoint import (CHECKPOINTS_DIR, discard_checkpoints, latest_step_name, resume_state,
-                                     save_checkpoint)
-from memfit.train.schedule import make_scheduler
-from memfit.train.signals import StopOnSignal, TrainingStopped
+from memfit.step import step_strategies, training_step
 from memfit.train.evaluate import evaluate
 from memfit.train.metrics import MetricsLog, default_sinks
 from memfit.train.oom import OomRecovery, make_tracker, resolve_micro_batch, split_batches
-from memfit.step import step_strategies, training_step
+from memfit.train.schedule import make_scheduler
+from memfit.train.signals import StopOnSignal, TrainingStopped
 from memfit.units import format_bytes
 
 log = logging.getLogger(__name__)

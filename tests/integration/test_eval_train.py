@@ -52,3 +52,7 @@ def test_bad_eval_settings_are_listed_at_load(tiny_config):
     assert "eval.data or eval.fraction, not both" in str(caught.value)
     with pytest.raises(ConfigError, match="need held-out data"):
         tiny_config(**{"eval.save_best": "true"})
+    with pytest.raises(ConfigError) as caught:
+        tiny_config(**{"eval.fraction": 0.1, "data.streaming": "true", "pipeline_parallel": 2,
+                       "max_grad_norm": "null"})
+    assert "set eval.data to a held-out file" in str(caught.value) and "pipeline_parallel > 1" in str(caught.value)
