@@ -1,7 +1,7 @@
 """Host RAM while loading a model on 2 ranks: DDP (every rank builds the model) vs zero3, tensor
 parallel 2, pipeline parallel 2 and DeepSpeed ZeRO-3 (rank 0 builds it, the others build on `meta`
 and receive their shards or their stage from rank 0: broadcast, scatter, point-to-point sends,
-DeepSpeed's own ZeRO conversion). `ds_zero3_full` is DeepSpeed ZeRO-3 as it loaded before issue 6
+DeepSpeed's own ZeRO conversion). `ds_zero3_full` is DeepSpeed ZeRO-3 with every rank loading the full model
 (every rank builds the full model, deepspeed.initialize partitions it), for the side-by-side ratio.
 For both DeepSpeed rows each rank also records its peak RSS on entering `deepspeed.initialize`:
 the model built (and, ds_zero3, already partitioned) but none of DeepSpeed's optimizer partitions,
@@ -47,7 +47,7 @@ ENGINES = {"ddp": ["sharding=ddp"], "zero3": ["sharding=zero3"], "tp2": ["tensor
            "pp2": ["pipeline_parallel=2", "max_grad_norm=null"],  # pipelines refuse gradient clipping
            "ds_zero3": ["deepspeed={ds_json}"], "ds_zero3_full": ["deepspeed={ds_json}"]}
 # memfit's CLI recording each rank's peak RSS as deepspeed.initialize starts (build-rss-rank<r>.json);
-# ds_zero3_full: with DeepSpeed's load-from-rank-0 switched off (the pre-issue-6 loading).
+# ds_zero3_full: with DeepSpeed's load-from-rank-0 switched off (every rank loads the full model).
 DS_SCRIPT = """import json, os, runpy, sys
 import deepspeed
 import memfit.distributed.deepspeed_engine as deepspeed_engine

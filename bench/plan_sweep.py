@@ -1,4 +1,4 @@
-"""Analytic sweep: time 500 configurations of the closed-form engine (issue 3: under 2 s).
+"""Analytic sweep: time 500 configurations of the closed-form engine (target: under 2 s).
 
     .venv/bin/python bench/plan_sweep.py [--count 500]
 

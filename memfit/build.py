@@ -60,7 +60,7 @@ def build_run(cfg: RunConfig, device: torch.device, on_meta: bool = False, wrap:
     model = build_model(cfg.model, attention or cfg.attention, dtype=precision.weight_dtype, on_meta=on_meta,
                         load_kwargs=load_kwargs)
     model.config.use_cache = False  # no KV cache in training; a cache also turns off packed masks (data/packing.py)
-    model = apply_method(apply_checkpointing(model, cfg.checkpoint_every), cfg, place_on)
+    model = apply_method(apply_checkpointing(model, cfg.activation_checkpoint_every), cfg, place_on)
     model, optimizer = wrap(model, lambda params: build_optimizer(
         cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device))
     model.train()

@@ -9,6 +9,7 @@ model folder; a LoRA/QLoRA run loads its base exactly as training saw it, then t
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -18,6 +19,8 @@ from memfit.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, chat_temp
 from memfit.data.sources import iter_raw
 from memfit.errors import MemfitError, require
 from memfit.models.merge import base_dtype, load_base
+
+log = logging.getLogger(__name__)
 
 
 def load_run(run_dir: str | Path):
@@ -46,7 +49,9 @@ def data_format(cfg: RunConfig) -> str:
     try:
         _, record = next(iter(iter_raw(cfg.data.path, limit=1)))
         return detect_format(json.loads(record) if isinstance(record, str) else record)
-    except Exception:  # noqa: BLE001 - the data may be gone; a plain prompt is still a fair answer
+    except (MemfitError, OSError, ValueError, StopIteration) as exc:  # the data may be gone since training
+        log.warning("data.format: auto, and %s cannot be read (%s): the prompt is used as plain text; "
+                    "set the format the run trained on to render it the same way", cfg.data.path, exc)
         return "text"
 
 

@@ -134,7 +134,7 @@ class RunConfig(_Section):
         "auto", description="Backend for 8-bit optimizers; auto = bitsandbytes, else torchao.")
     attention: Attention = Field("sdpa", description="Attention kernel: eager, sdpa, or flash (flash-attn package).")
     lora: LoraConfig = Field(default_factory=LoraConfig)
-    # Quantized base weights (issue 5); combinations are checked in memfit/strategies/quantization.py.
+    # Quantized base weights; combinations are checked in memfit/strategies/quantization.py.
     quant: Literal["none", "nf4", "nf4-dq", "fp4", "int8"] = Field(
         "none", description="Base-weight quantization under LoRA: 4-bit nf4 / fp4, nf4-dq (double-quantized scales), "
                             "or int8. method: qlora defaults to nf4-dq.")
@@ -170,7 +170,7 @@ class RunConfig(_Section):
                                                  "(train as configured), auto (the free memory of the device) or a size "
                                                  "like 24GiB; the planner picks the fastest setup that fits.")
 
-    # Beyond the basics (issue 7): memfit/strategies/{loss,optimizer_in_backward,activation_offload}.py, train/oom.py.
+    # Step strategies: memfit/strategies/{loss,optimizer_in_backward,activation_offload}.py, train/oom.py.
     chunked_loss: bool = Field(False, description="Cross-entropy over chunks of tokens with recomputation: the full "
                                                   "[tokens x vocab] fp32 logits never exist (same loss and gradients).")
     optimizer_in_backward: bool = Field(False, description="Update each parameter as soon as its gradient is ready and "
@@ -181,7 +181,7 @@ class RunConfig(_Section):
                                                         "above it fails with out-of-memory as a full GPU would (tests "
                                                         "OOM recovery on CPU), and micro_batch: auto fits under it.")
 
-    # Reliability (issue 8): checkpoints, resume, non-finite steps; see memfit/checkpoint.py.
+    # Reliability: checkpoints, resume, non-finite steps; see memfit/checkpoint.py.
     save_every: int = Field(100, ge=0, description="Write a resumable checkpoint every N optimizer steps "
                                                    "(0: only when stopped by SIGTERM/SIGINT).")
     keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
@@ -259,7 +259,7 @@ class RunConfig(_Section):
         return {"name": value} if isinstance(value, str) else value
 
     @property
-    def checkpoint_every(self) -> int:
+    def activation_checkpoint_every(self) -> int:
         """0 = no checkpointing, 1 = every layer, N = every N-th layer."""
         if self.checkpointing == "none":
             return 0

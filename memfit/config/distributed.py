@@ -68,7 +68,7 @@ def launch_problems(cfg, world_size: int, model_config=None) -> list[str]:
     if pp > 1 and world_size != pp:
         problems.append(f"pipeline_parallel: {pp} needs exactly {pp} processes (torchrun --nproc-per-node {pp}); "
                         f"got {world_size}")
-    if world_size > 1 and cfg.sharding == "none" and tp == 1 and pp == 1 and not getattr(cfg, "deepspeed", None):
+    if world_size > 1 and cfg.sharding == "none" and tp == 1 and pp == 1 and not cfg.deepspeed:
         problems.append(f"{world_size} processes were started but sharding is none: set sharding: ddp "
                         "(or zero1/zero2/zero3), or start one process")
     if model_config is None:

@@ -48,7 +48,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
         overheads["paged_optimizer_states"] = paged
     reserved = allocated + overheads.get("cublas_workspace", 0) + overheads.get("allocator_reserve", 0)
     ram = cpu_ram_bytes(shape, cfg, device)
-    if getattr(cfg, "offload", "none") != "none":  # what offload took off the GPU now lives in host RAM
+    if cfg.offload != "none":  # what offload took off the GPU now lives in host RAM
         unsharded = shard_model_states(peak_candidates(shape, cfg)["optimizer_step"], cfg.model_copy(
             update={"offload": "none"}), gpus, "optimizer_step")
         ram["offloaded"] = sum(unsharded[c] for c in ("weights", "gradients", "optimizer_states")) - sum(

@@ -76,7 +76,7 @@ PRECISION_GIVES_UP = {"bf16-mixed": "", "fp32": "", "fp16-mixed": "fp16 range (l
 
 
 def checkpointed_layers(shape: ModelShape, cfg) -> int:
-    every = cfg.checkpoint_every
+    every = cfg.activation_checkpoint_every
     return 0 if not every else math.ceil(shape.layers / every)
 
 

@@ -45,8 +45,8 @@ def _compute_size(cfg: RunConfig) -> int:
 
 def _quant_mode(cfg: RunConfig) -> str:
     if cfg.method != "qlora":
-        return getattr(cfg, "quant", "none") or "none"
-    quant = getattr(cfg, "quant", "none")
+        return cfg.quant or "none"
+    quant = cfg.quant
     return "nf4-dq" if quant in (None, "none") else quant
 
 
@@ -270,7 +270,7 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig) -> dict[str, dict[str, in
     layer = int(_layer_bytes(shape, cfg))
     buffers = _layer_gradient_buffers(shape, cfg) + _dequant_bytes(shape, cfg)
     accumulated = grads if cfg.grad_accum > 1 else 0
-    ckpt_every = cfg.checkpoint_every
+    ckpt_every = cfg.activation_checkpoint_every
     last_ckpt = bool(ckpt_every) and (shape.layers - 1) % ckpt_every == 0
     # a recomputed layer's saved tensors include its residual input (not in bf16-pure, where the
     # norm keeps an fp32 copy instead), which the checkpoint already holds in the activations
@@ -323,8 +323,8 @@ def shard_model_states(by_category: dict[str, int], cfg: RunConfig, gpus: int, w
     zero1 optimizer states, zero2 + gradients, zero3 + weights (FSDP keeps one layer gathered:
     not counted here). offload moves optimizer states (and with params/all the weights and
     gradients) to host RAM. The distributed module may refine these terms."""
-    sharding, offload = getattr(cfg, "sharding", "none"), getattr(cfg, "offload", "none")
-    world = max(gpus // (getattr(cfg, "tensor_parallel", 1) * getattr(cfg, "pipeline_parallel", 1)), 1)
+    sharding, offload = cfg.sharding, cfg.offload
+    world = max(gpus // (cfg.tensor_parallel * cfg.pipeline_parallel), 1)
     out = dict(by_category)
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(sharding, 0)
     for category, from_stage in (("optimizer_states", 1), ("gradients", 2), ("weights", 3)):
@@ -373,7 +373,7 @@ def beyond_basics_terms(candidates: dict[str, dict[str, int]], shape: ModelShape
         out["backward_start"]["activations"] -= loss
         out["backward_start"]["temporaries"] += 3 * chunk - 2 * loss
         loss = 0
-    if getattr(cfg, "optimizer_in_backward", False):
+    if cfg.optimizer_in_backward:
         largest = _largest_param_bytes(shape, cfg)
         for values in out.values():
             values["gradients"] = min(values["gradients"], largest)
@@ -382,7 +382,7 @@ def beyond_basics_terms(candidates: dict[str, dict[str, int]], shape: ModelShape
         layer = int(_layer_bytes(shape, cfg))
         out["backward_start"]["activations"] = min(out["backward_start"]["activations"], loss + layer)
         # a checkpointed last layer brings back only its input; its recomputed tensors are temporaries
-        every = cfg.checkpoint_every
+        every = cfg.activation_checkpoint_every
         last_ckpt = bool(every) and (shape.layers - 1) % every == 0
         back = tokens * shape.hidden * _weight_size(cfg) if last_ckpt else layer
         out["backward_last"]["activations"] = min(out["backward_last"]["activations"], back)

@@ -181,7 +181,7 @@ def fake_batch(cfg: RunConfig, padded: bool) -> dict[str, torch.Tensor]:
     """
     shape = (cfg.micro_batch, cfg.seq_len)
     with _real_tensors():
-        if getattr(cfg, "packing", False):  # packed rows carry position_ids instead of an attention mask
+        if cfg.packing:  # packed rows carry position_ids instead of an attention mask
             positions = torch.arange(cfg.seq_len).expand(shape).clone()
             if padded:
                 positions[-1, cfg.seq_len // 2:] -= cfg.seq_len // 2
@@ -222,7 +222,7 @@ def trace_estimate(cfg: RunConfig, device: str | torch.device | None = None, pad
     usually do), no for one unpacked sequence per micro-batch (never padded).
     """
     if padded is None:
-        padded = cfg.micro_batch > 1 or bool(getattr(cfg, "packing", False))
+        padded = cfg.micro_batch > 1 or cfg.packing
     started = time.perf_counter()
     target = target_device(cfg, device)
     notes: list[str] = []

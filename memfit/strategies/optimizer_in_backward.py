@@ -80,7 +80,7 @@ def in_backward_problems(cfg) -> list[str]:
     if cfg.precision == "fp16-mixed":
         problems.append("optimizer_in_backward: fp16-mixed's loss scaler must check every gradient before any "
                         "update; use bf16-mixed or fp32")
-    if getattr(cfg, "sharding", "none") != "none":
+    if cfg.sharding != "none":
         problems.append(f"optimizer_in_backward: not with sharding: {cfg.sharding} (the gradient must be reduced "
                         "across ranks before the update); use sharding: none")
     return problems

@@ -163,7 +163,7 @@ def memory_available_bytes(cfg, device: torch.device) -> tuple[int, str]:
     """What micro_batch: auto must fit under, and where that number comes from."""
     if cfg.memory_budget is not None:
         return cfg.memory_budget_bytes, f"memory_budget {cfg.memory_budget}"
-    planner_budget = getattr(cfg, "budget", None)  # the planner's GPU budget, when given as a size
+    planner_budget = cfg.budget  # the planner's GPU budget, when given as a size
     if planner_budget not in (None, "auto"):
         return parse_bytes(planner_budget), f"budget {planner_budget}"
     if device.type == "cuda":

@@ -12,7 +12,7 @@ DeepSpeed checkpoints, the second resuming the first. Checks:
   exit       every torchrun exits 0
   files      the final model is ordinary safetensors equal to the single run's weights (fp32 runs)
   resume     a run stopped at step 2 and resumed from its DeepSpeed checkpoint continues exactly
-  loading    ZeRO-3 (issue 6): rank 1 builds the model on `meta` and ends with only its partition
+  loading    ZeRO-3: rank 1 builds the model on `meta` and ends with only its partition
              (load-rank<r>.json, written around deepspeed_engine.initialize); the random init
              (preset) and a saved safetensors folder both come out equal to the single run's
 
@@ -206,7 +206,7 @@ ZERO3 = [name for name, (js, _, _) in RUNS.items() if js.startswith("zero3")]
 
 @pytest.mark.parametrize("name", ZERO3)
 def test_zero3_ranks_but_0_never_build_the_full_model(runs, name):
-    """issue 6: under ZeRO-3 rank 1 builds on meta (no bytes) and keeps only its partition."""
+    """Under ZeRO-3 rank 1 builds on meta (no bytes) and keeps only its partition."""
     root, config, *_ = runs
     from memfit.models.loading import build_model
 

@@ -199,7 +199,7 @@ def _expected_parameter_bytes(config: Path, name: str, rank: int) -> int:
 
 @pytest.mark.parametrize("name", ["tp2", "pp2"])
 def test_ranks_but_0_never_build_the_full_model(runs, name):
-    """issue 6: a tensor/pipeline rank other than 0 builds on meta and ends with only its shard or stage."""
+    """A tensor/pipeline rank other than 0 builds on meta and ends with only its shard or stage."""
     root, config, *_ = runs
     loads = [json.loads((root / name / f"load-rank{rank}.json").read_text()) for rank in (0, 1)]
     assert [load["built_on_meta"] for load in loads] == [False, True], loads

@@ -1,4 +1,4 @@
-"""Resume, signals, non-finite steps, and kill -9 at random points (issue 8 acceptance).
+"""Resume, signals, non-finite steps, and kill -9 at random points.
 
 All runs are fp32 on CPU with the same seed, so "the same" means bitwise: losses compared with ==,
 weights with torch.equal.

@@ -10,7 +10,7 @@ CONFIG_DIR = Path(__file__).resolve().parents[2] / "memfit" / "configs"
 
 def test_defaults_are_valid_and_frozen():
     cfg = load_config()
-    assert cfg.precision == "fp32" and cfg.checkpoint_every == 0
+    assert cfg.precision == "fp32" and cfg.activation_checkpoint_every == 0
     with pytest.raises(ValidationError, match="frozen"):
         cfg.precision = "bf16-mixed"
 
@@ -33,7 +33,7 @@ def test_every_problem_is_listed_at_once_with_its_field_path(tmp_path):
 def test_overrides_are_dotted_and_typed():
     cfg = load_config(None, ["lora.rank=16", "max_grad_norm=null", "lr=1e-4", "model=some/dir", "checkpointing=every-2"])
     assert cfg.lora.rank == 16 and cfg.max_grad_norm is None and cfg.lr == 1e-4
-    assert cfg.model.name == "some/dir" and cfg.checkpoint_every == 2
+    assert cfg.model.name == "some/dir" and cfg.activation_checkpoint_every == 2
 
 
 def test_override_without_equals_is_reported():
