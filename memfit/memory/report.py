@@ -19,6 +19,7 @@ class MemoryReport:
 
     measured_peak_bytes: int = 0
     measured_by_category: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
+    measured_phase_peaks: dict[str, int] = field(default_factory=dict)  # forward, backward, optimizer, eval
     estimated_peak_bytes: int | None = None
     estimated_by_category: dict[str, int] | None = None
     cuda_max_allocated_bytes: int | None = None
@@ -45,6 +46,9 @@ class MemoryReport:
                 line += f"{format_bytes(estimated):>14}{error:>9}"
             lines.append(line)
         lines.extend(self._estimate_lines())
+        if self.measured_phase_peaks:
+            lines.append("measured peak by phase (all tracked bytes live at the time): " + ", ".join(
+                f"{name} {format_bytes(n)}" for name, n in self.measured_phase_peaks.items()))
         if self.cuda_max_allocated_bytes is not None:
             lines.append(f"torch.cuda.max_memory_allocated: {format_bytes(self.cuda_max_allocated_bytes)}")
             lines.append(f"torch.cuda.max_memory_reserved:  {format_bytes(self.cuda_max_reserved_bytes)}")

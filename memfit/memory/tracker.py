@@ -66,6 +66,7 @@ class MemoryTracker(TorchDispatchMode):
         self._phase: str | None = None
         self.current_bytes = 0
         self.peak_bytes = 0
+        self.phase_peaks: dict[str, int] = {}  # the highest live bytes seen inside each phase
         self._peak_blocks: list[_Block] = []
         self._peak_pending = False  # the live set is the peak but has not been copied yet
 
@@ -97,6 +98,8 @@ class MemoryTracker(TorchDispatchMode):
         if nbytes < 0:
             self._snapshot_if_pending()
         self.current_bytes += nbytes
+        if self._phase is not None and self.current_bytes > self.phase_peaks.get(self._phase, 0):
+            self.phase_peaks[self._phase] = self.current_bytes
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self._peak_pending = True
@@ -173,6 +176,7 @@ class NullTracker:
     """Stands in when tracking is off, so the training loop needs no `if`s."""
 
     current_bytes = peak_bytes = 0
+    phase_peaks: dict[str, int] = {}
 
     def __enter__(self):
         return self

@@ -241,7 +241,8 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
 def measured_report(tracker, device: torch.device) -> MemoryReport:
     import resource
 
-    report = MemoryReport(measured_peak_bytes=tracker.peak_bytes, measured_by_category=tracker.peak_by_category())
+    report = MemoryReport(measured_peak_bytes=tracker.peak_bytes, measured_by_category=tracker.peak_by_category(),
+                          measured_phase_peaks=dict(tracker.phase_peaks))
     report.process_peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     if device.type == "cuda":
         report.cuda_max_allocated_bytes = torch.cuda.max_memory_allocated(device)

@@ -33,7 +33,12 @@ def test_held_out_examples_never_reach_the_training_stream(tiny_config):
 def test_eval_lines_scalars_and_best_weights(tiny_config):
     cfg = tiny_config(**{"eval.fraction": 0.2, "eval.every": 10, "eval.save_best": "true",
                          "report_to": "[tensorboard]", "max_steps": 20})
-    out = train(cfg, progress=False).output_dir
+    result = train(cfg, progress=False)
+    out, phases = result.output_dir, result.report.measured_phase_peaks
+    assert {"forward", "backward", "optimizer", "eval"} <= set(phases)
+    assert max(phases.values()) == result.report.measured_peak_bytes  # the step's peak falls inside a phase
+    assert 0 < phases["eval"] < phases["backward"]  # no_grad: nothing kept for a backward
+    assert "eval" in (out / "memory_report.txt").read_text()
     lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [line for line in lines if "eval_loss" in line]
     assert [line["step"] for line in evals] == [10, 20]
