@@ -15,8 +15,6 @@ from pathlib import Path
 
 from memfit.errors import require
 
-SINKS = ("tensorboard", "wandb", "mlflow")
-PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
 
 
 def default_sinks() -> list[str]:
