@@ -16,7 +16,6 @@ from pathlib import Path
 from memfit.errors import require
 
 
-
 def default_sinks() -> list[str]:
     """TensorBoard when it is installed (it is in memfit's requirements), else none."""
     return ["tensorboard"] if importlib.util.find_spec("tensorboard") is not None else []
