@@ -35,6 +35,8 @@ import torch
 from memfit.units import format_bytes
 import memfit.train.loop as loop
 from memfit.config import load_config
+from memfit.distributed.engine import Engine
+from memfit.models.loading import build_model
 from memfit.memory.trace import trace_estimate
 
 
@@ -79,15 +81,15 @@ def measure(args) -> dict:
 
     # Read the peak when training is over, before the run serialises checkpoint and weights.
     at_end: dict[str, int] = {}
-    for name in ("save_checkpoint", "save_model"):
-        def reading_first(*a, _original=getattr(loop, name), **k):
+    for name in ("save", "save_final"):
+        def reading_first(*a, _original=getattr(Engine, name), **k):
             at_end.setdefault("peak_rss", peak_rss_bytes())
             return _original(*a, **k)
-        setattr(loop, name, reading_first)
+        setattr(Engine, name, reading_first)
     baseline = current_rss_bytes()
     report = loop.train(cfg, progress=False).report
     growth = at_end.get("peak_rss", peak_rss_bytes()) - baseline
-    params = sum(p.numel() for p in loop.build_model(cfg.model, on_meta=True).parameters())
+    params = sum(p.numel() for p in build_model(cfg.model, on_meta=True).parameters())
     return {"params": params, "estimate": estimate.peak_allocated_bytes, "tracker": report.measured_peak_bytes,
             "rss_growth": growth, "baseline": baseline, "by_category": estimate.by_category}
 

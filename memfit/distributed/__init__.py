@@ -3,6 +3,7 @@ parallel, torch.distributed.pipelining, and DeepSpeed from the user's JSON. No h
 communication layer: every byte that crosses ranks goes through those engines or torch.distributed's
 collectives. Which combinations can run is checked when the config loads (memfit/config/distributed.py).
 
+  engine.py           the one interface the training loop calls (one process, torch's engines, DeepSpeed)
   launch.py           process group from torchrun's environment; clean teardown
   sharding.py         ddp / zero1 / zero2 / zero3 / CPU offload, and sharded loading
   tensor_parallel.py  Llama-family blocks through parallelize_module

@@ -22,7 +22,6 @@ model's own `save_pretrained` (safetensors; PEFT adapter files for LoRA).
 from __future__ import annotations
 
 import json
-import logging
 import pickle
 import re
 import shutil
@@ -30,11 +29,9 @@ from pathlib import Path
 
 import torch
 
-from memfit.checkpoint import TrainerState
 from memfit.distributed.launch import DistContext, gather_to_main
 from memfit.errors import MemfitError
 
-log = logging.getLogger(__name__)
 PREFIX = "sharded-step-"
 TRAINER = "trainer.json"
 TENSORS = "trainer.pt"  # scheduler state and optimizer hyperparameters
@@ -246,35 +243,3 @@ def write_rank_memory(ctx: DistContext, out: Path, report, load_rss_bytes: int) 
         (Path(out) / "distributed_memory.json").write_text(json.dumps({"world_size": ctx.world_size,
                                                                       "ranks": ranks}, indent=1) + "\n")
     return ranks
-
-
-def checkpoint_functions(ctx: DistContext, save_checkpoint, resume_state, save_model):
-    """(save, resume, save_final) for the loop: the single-process ones unchanged, DCP ones when sharded.
-
-    The sharded ones take the same arguments as memfit.checkpoint's, so the loop calls one name.
-    """
-    if not ctx.enabled:
-        return save_checkpoint, resume_state, save_model
-
-    def save(out, state, model, optimizer, scheduler=None, scaler=None, keep=2):
-        trainer = {"step": state.step, "data": state.data, "losses": list(state.losses),
-                   "nonfinite_total": state.nonfinite_total,
-                   "scheduler": scheduler.state_dict() if scheduler is not None else None}
-        return save_sharded(out, state.step, trainer, model, optimizer, ctx, keep)
-
-    def resume(resume: bool, out, model, optimizer, scheduler, scaler, stream):
-        found = complete_checkpoints(Path(out) / "checkpoints") if resume else []
-        if not found:
-            if resume:
-                log.warning("resume=true: no sharded checkpoint in %s; starting from step 0", Path(out) / "checkpoints")
-            return TrainerState(data=stream.state_dict())
-        trainer = load_sharded(found[-1], model, optimizer, ctx)
-        if scheduler is not None and trainer["scheduler"] is not None:
-            scheduler.load_state_dict(trainer["scheduler"])
-        stream.load_state_dict(trainer["data"])
-        return TrainerState(trainer["step"], trainer["data"], trainer["losses"], trainer["nonfinite_total"])
-
-    def save_final_model(model, tokenizer, out):
-        save_final(model, tokenizer, out, ctx)
-
-    return save, resume, save_final_model

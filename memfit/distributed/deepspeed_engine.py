@@ -163,13 +163,6 @@ def partition_from_rank0(model: torch.nn.Module, config: dict, device: torch.dev
                     module._buffers[key] = local
 
 
-def is_engine(model) -> bool:
-    import sys
-
-    deepspeed = sys.modules.get("deepspeed")  # never imported unless a run asked for it
-    return deepspeed is not None and isinstance(model, deepspeed.DeepSpeedEngine)
-
-
 class EngineChecksItself:
     """Stands where memfit's GradScaler would, telling training_step not to judge the gradients itself:
     under DeepSpeed they are mostly in its own partitions, not in `.grad` (DeepSpeed skips fp16
@@ -209,22 +202,11 @@ class EnginePrecision:
         return norm, self.engine.skipped_steps > skipped_before  # fp16: DeepSpeed skipped an overflow
 
 
-def engine_precision(model, plan):
-    """The precision plan the step uses: DeepSpeed's backward/step for an engine, else `plan` unchanged."""
-    return EnginePrecision(model, plan) if is_engine(model) else plan
-
-
 TRACKER_NOTE = ("DeepSpeed run: the tracker's categories are not this rank's memory. It sees the module's "
                 "parameters and the storages created during the steps, not DeepSpeed's fp32 master partition "
                 "(made at initialize) nor ZeRO-3's partitioned weights; DeepSpeed's gradient partitions and "
                 "communication buckets (reduce_bucket_size elements) count as temporaries. Use the process "
                 "peak RSS (CPU) or CUDA max allocated (GPU) for this rank's total.")
-
-
-def note_memory(report, model) -> None:
-    """Say, in the run's memory report, what the tracker cannot see inside a DeepSpeed engine."""
-    if is_engine(model):
-        report.notes.append(TRACKER_NOTE)
 
 
 def torch_optimizer(optimizer):
@@ -296,25 +278,18 @@ def save_final(engine, tokenizer, out: Path) -> None:
     tokenizer.save_pretrained(out)
 
 
-def checkpoint_functions(ctx):
-    """(save, resume, save_final) for the loop, with the arguments memfit.checkpoint's take."""
-    def save(out, state, model, optimizer, scheduler=None, scaler=None, keep=2):
-        return save_deepspeed(out, state, model, scheduler, keep)
+def resume(resume: bool, out: Path, engine, scheduler, stream) -> TrainerState:
+    """Collective: the trainer state of the newest complete DeepSpeed checkpoint (a fresh one if none)."""
+    import torch.distributed as dist
 
-    def resume(resume, out, model, optimizer, scheduler, scaler, stream):
-        import torch.distributed as dist
-
-        found = complete_checkpoints(Path(out) / "checkpoints", PREFIX) if resume else []
-        if not found:
-            if resume:
-                log.warning("resume=true: no DeepSpeed checkpoint in %s; starting from step 0",
-                            Path(out) / "checkpoints")
-            return TrainerState(data=stream.state_dict())
-        trainer = load_deepspeed(found[-1], model, scheduler)
-        if trainer.get("world_size", dist.get_world_size()) != dist.get_world_size():
-            log.warning("resuming a %d-rank DeepSpeed checkpoint on %d ranks (DeepSpeed re-partitions what it can)",
-                        trainer["world_size"], dist.get_world_size())
-        stream.load_state_dict(trainer["data"])
-        return TrainerState(trainer["step"], trainer["data"], trainer["losses"], trainer["nonfinite_total"])
-
-    return save, resume, lambda model, tokenizer, out: save_final(model, tokenizer, out)
+    found = complete_checkpoints(Path(out) / "checkpoints", PREFIX) if resume else []
+    if not found:
+        if resume:
+            log.warning("resume=true: no DeepSpeed checkpoint in %s; starting from step 0", Path(out) / "checkpoints")
+        return TrainerState(data=stream.state_dict())
+    trainer = load_deepspeed(found[-1], engine, scheduler)
+    if trainer.get("world_size", dist.get_world_size()) != dist.get_world_size():
+        log.warning("resuming a %d-rank DeepSpeed checkpoint on %d ranks (DeepSpeed re-partitions what it can)",
+                    trainer["world_size"], dist.get_world_size())
+    stream.load_state_dict(trainer["data"])
+    return TrainerState(trainer["step"], trainer["data"], trainer["losses"], trainer["nonfinite_total"])

@@ -14,6 +14,7 @@ from typing import Iterable
 import torch
 
 from memfit.data.examples import IGNORE_INDEX
+from memfit.data.loader import eval_batches
 
 
 @dataclass
@@ -51,3 +52,22 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict], loss_fn, autocast,
         return EvalResult(float("nan"), float("nan"), 0, count)
     loss = total / targets
     return EvalResult(loss, math.exp(min(loss, 700.0)), targets, count)
+
+
+class Evaluation:
+    """When a run evaluates, on which batches, and whether a result is its best so far (save_best)."""
+
+    def __init__(self, cfg, tokenizer):
+        self.every, self.last_step, self.save_best = cfg.eval.every, cfg.max_steps, cfg.eval.save_best
+        self.batches = eval_batches(cfg, tokenizer) if cfg.eval.enabled else None
+        self.best_loss = float("inf")
+
+    def due(self, step: int) -> bool:
+        return self.batches is not None and (step == self.last_step or bool(self.every and step % self.every == 0))
+
+    def run(self, model, loss_fn, autocast, tracker, device: torch.device) -> tuple[EvalResult, bool]:
+        """The scores, and whether they are the best so far and save_best wants them kept."""
+        scores = evaluate(model, self.batches, loss_fn, autocast, tracker, device)
+        best = scores.loss < self.best_loss
+        self.best_loss = min(self.best_loss, scores.loss)
+        return scores, best and self.save_best

@@ -12,22 +12,20 @@ import torch
 from tqdm.auto import tqdm
 
 from memfit.build import build_run
-from memfit.checkpoint import (CHECKPOINTS_DIR, discard_checkpoints, latest_step_name, resume_state,
-                               save_checkpoint)
+from memfit.checkpoint import CHECKPOINTS_DIR, discard_checkpoints, latest_step_name
 from memfit.config import RunConfig
-from memfit.data.loader import build_batch_stream, eval_batches
-from memfit.distributed import deepspeed_engine, launch
-from memfit.distributed.checkpoint import checkpoint_functions, unwrap, write_rank_memory
-from memfit.distributed.sharding import builds_on_meta, initial_device, shard
+from memfit.data.loader import build_batch_stream
+from memfit.distributed.checkpoint import unwrap
+from memfit.distributed.engine import Engine, make_engine
 from memfit.errors import MemfitError
 from memfit.memory.planner import resolve_budget
 from memfit.memory.report import MemoryReport
 from memfit.memory.trace import trace_estimate
-from memfit.models.loading import load_model_config, load_tokenizer
+from memfit.models.loading import load_tokenizer
 from memfit.models.merge import save_adapter_outputs
 from memfit.step import step_strategies, training_step
-from memfit.train.evaluate import evaluate
-from memfit.train.metrics import MetricsLog, default_sinks
+from memfit.train.evaluate import Evaluation
+from memfit.train.metrics import MetricsLog
 from memfit.train.oom import OomRecovery, make_tracker, resolve_micro_batch, split_batches
 from memfit.train.schedule import make_scheduler
 from memfit.train.signals import StopOnSignal, TrainingStopped
@@ -66,14 +64,6 @@ class RunResult:
     output_dir: Path
     losses: list[float]
     report: MemoryReport
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise MemfitError("device: cuda was asked for, but torch sees no CUDA GPU; use device: cpu or auto")
-    return torch.device(name)
 
 
 def prepare_output_dir(cfg: RunConfig) -> Path:
@@ -130,112 +120,119 @@ def _flatten(tree: dict, prefix: str = "") -> dict:
 
 
 def train(cfg: RunConfig, progress: bool = True) -> RunResult:
-    cfg = resolve_budget(cfg)  # budget: auto | size -> the planner's choice (a copy); no-op when unset
-    # Under torchrun: join the process group (a single process gets a context that changes nothing).
-    dist = launch.init_distributed(cfg, resolve_device(cfg.device), lambda: load_model_config(cfg.model)[0])
-    device = launch.local_device(resolve_device(cfg.device), dist)
-    cfg = resolve_micro_batch(cfg, device)  # micro_batch: auto -> the largest that fits (a copy); else unchanged
+    engine = make_engine(resolve_budget(cfg))  # budget: the planner's choice; under torchrun, joins the group
+    cfg = engine.cfg = resolve_micro_batch(engine.cfg, engine.device)  # auto: the largest that fits
+    device = engine.device
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.model)
-    stream = build_batch_stream(cfg, tokenizer, device, dist.dp_rank, dist.dp_size)  # this rank's slice
-    wrap = deepspeed_engine.initialize if cfg.deepspeed else shard  # deepspeed: the engine from the user's JSON
-    run = build_run(cfg, device, on_meta=builds_on_meta(cfg, dist), place_on=initial_device(cfg, dist, device),
-                    wrap=lambda model, make_optimizer: wrap(model, make_optimizer, cfg, dist, device))
-    model, optimizer, params = run.model, run.optimizer, run.params
-    precision = deepspeed_engine.engine_precision(model, run.precision)  # engine.backward/step; else unchanged
-    scheduler = make_scheduler(deepspeed_engine.torch_optimizer(optimizer), cfg.lr_schedule, cfg.warmup_steps,
-                               cfg.max_steps)
-    out = launch.on_main_first(dist, prepare_output_dir, cfg)  # rank 0 prepares the folder, the others wait
-    load_rss_bytes = launch.peak_rss_bytes()  # the model-loading high-water mark (docs/distributed.md)
-    # D's atomic checkpoint files for one process; torch.distributed.checkpoint when sharded.
-    save, resume, save_weights = (deepspeed_engine.checkpoint_functions(dist) if cfg.deepspeed else
-                                  checkpoint_functions(dist, save_checkpoint, resume_state, save_model))
-    state = resume(cfg.resume, out, model, optimizer, scheduler, precision.scaler, stream)
+    stream = build_batch_stream(cfg, tokenizer, device, engine.ctx.dp_rank, engine.ctx.dp_size)  # this rank's slice
+    run = build_run(cfg, device, on_meta=engine.builds_on_meta, place_on=engine.place_on, wrap=engine.wrap)
+    model, optimizer = run.model, run.optimizer
+    precision = engine.precision(model, run.precision)
+    scheduler = make_scheduler(engine.torch_optimizer(optimizer), cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
+    out = engine.on_main_first(prepare_output_dir)
+    state = engine.resume(out, model, optimizer, scheduler, precision.scaler, stream)
     tracker = make_tracker(cfg)  # a MemoryBudget (OOM above memory_budget) when set
-    strategies = step_strategies(cfg, device, optimizer, params)  # chunked loss, offload, optimizer in backward
+    strategies = step_strategies(cfg, device, optimizer, run.params)  # chunked loss, offload, optimizer in backward
     oom = OomRecovery.for_run(cfg)  # on OOM: finer micro-batches, same data, same step
+    evaluation = Evaluation(cfg, tokenizer)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-
-    losses = state.losses  # the whole run's, a resumed one included
-    nonfinite_in_row = 0
     bar = tqdm(range(state.step + 1, cfg.max_steps + 1), initial=state.step, total=cfg.max_steps,
-               desc="training", unit="step", disable=not (progress and dist.is_main))
-    evaluation = eval_batches(cfg, tokenizer) if cfg.eval.enabled else None
-    best_eval = float("inf")
-    sinks = cfg.report_to if cfg.report_to is not None else default_sinks()
-    with tracker, StopOnSignal() as stop, MetricsLog(out, sinks, cfg.model_dump(mode="json"), dist.is_main) as metrics:
+               desc="training", unit="step", disable=not (progress and engine.is_main))
+    nonfinite_in_row, peak_shape = 0, None
+    config = cfg.model_dump(mode="json")
+    with tracker, StopOnSignal() as stop, MetricsLog(out, cfg.report_to, config, engine.is_main) as metrics:
         tracker.tag_module(model)
-        peak_shape = None
         for step in bar:
-            started = time.perf_counter()
-            peak_before = tracker.peak_bytes
-            micro_batches = [{k: v.to(device) for k, v in stream.next_batch().items()} for _ in range(cfg.grad_accum)]
-            for batch in micro_batches:
-                tracker.tag(batch.values(), "activations")
+            started, peak_before = time.perf_counter(), tracker.peak_bytes
+            micro_batches = next_micro_batches(stream, cfg.grad_accum, device, tracker)
             result = oom.run(lambda pieces: training_step(
-                model, optimizer, pieces, precision, tracker, params, cfg.max_grad_norm,
-                target_count=launch.target_count(dist), **strategies), micro_batches, optimizer)
+                model, optimizer, pieces, precision, tracker, run.params, cfg.max_grad_norm,
+                target_count=engine.target_count, **strategies), micro_batches, optimizer)
             if tracker.peak_bytes > peak_before:  # the same pieces oom.run just trained on
                 peak_shape = BatchShape.of(split_batches(micro_batches, oom.micro_batch))
-            result.loss = launch.mean_over_ranks(result.loss, dist)  # what one process would report
+            result.loss = engine.reduce_loss(result.loss)  # what one process would report
             lr = float(scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor (so compile does not retrace)
             scheduler.step()
-            losses.append(result.loss)
+            state.losses.append(result.loss)
             nonfinite_in_row = nonfinite_in_row + 1 if result.nonfinite else 0
             state.nonfinite_total += result.nonfinite
-            if result.nonfinite:
-                log.warning("step %d: non-finite loss or gradients (loss %s); update skipped "
-                            "(%d in a row, %d in this run)", step, result.loss, nonfinite_in_row, state.nonfinite_total)
-            step_time_s = time.perf_counter() - started
-            tokens_per_s = result.tokens / step_time_s
-            bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_s:,.0f}",
-                            peak=format_bytes(tracker.peak_bytes))
-            if step % cfg.log_every == 0 or step in (1, cfg.max_steps):
-                metrics.write({
-                    "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
-                    "skipped": result.skipped, "nonfinite": result.nonfinite, "tokens_per_s": round(tokens_per_s, 1),
-                    "tokens": result.tokens, "step_time_s": round(step_time_s, 4),
-                    "epoch": stream.epoch, "peak_bytes": tracker.peak_bytes,
-                    "peak_by_category_bytes": tracker.peak_by_category()})
-            if evaluation is not None and (step == cfg.max_steps or (cfg.eval.every and step % cfg.eval.every == 0)):
-                scores = evaluate(model, evaluation, strategies["loss_fn"], precision.autocast, tracker, device)
-                metrics.write(scores.record(step), prefix="eval")
-                if dist.is_main and progress:
-                    bar.write(f"step {step}: eval loss {scores.loss:.4f}, perplexity {scores.perplexity:,.2f} "
-                              f"({scores.tokens:,} tokens)")
-                if cfg.eval.save_best and scores.loss < best_eval:  # sharded: every rank takes part
-                    best_eval = scores.loss
-                    save_weights(model, tokenizer, out / "best")
-            if nonfinite_in_row >= cfg.max_nonfinite_steps:
-                last = latest_step_name(out / CHECKPOINTS_DIR)
-                raise NonFiniteError(
-                    f"step {step}: loss or gradients were NaN/inf for {nonfinite_in_row} steps in a row (steps "
-                    f"{step - nonfinite_in_row + 1}-{step}, max_nonfinite_steps={cfg.max_nonfinite_steps}); stopped. "
-                    f"Last good checkpoint: {out / CHECKPOINTS_DIR / last if last else 'none'}. "
-                    "Lower lr or check the data, then resume=true")
+            log_step(metrics, bar, cfg, step, result, lr, time.perf_counter() - started, stream.epoch, tracker,
+                     nonfinite_in_row, state.nonfinite_total)
+            if evaluation.due(step):
+                scores, keep = evaluation.run(model, strategies["loss_fn"], precision.autocast, tracker, device)
+                log_eval(metrics, bar if progress and engine.is_main else None, step, scores)
+                if keep:  # sharded: every rank takes part
+                    engine.save_final(model, tokenizer, out / "best")
+            check_finite(step, nonfinite_in_row, cfg, out)
             # Checkpoint on schedule, at the end, or when asked to stop; never inside a non-finite streak.
             if stop.requested or (not nonfinite_in_row and (step == cfg.max_steps or (
                     cfg.save_every and step % cfg.save_every == 0))):
                 state.step, state.data = step, stream.state_dict()
-                saved = save(out, state, model, optimizer, scheduler, precision.scaler, cfg.keep_checkpoints)
+                saved = engine.save(out, state, model, optimizer, scheduler, precision.scaler)
             if stop.requested and step < cfg.max_steps:
                 raise TrainingStopped(f"{stop.name} received; checkpoint of step {step} saved in {saved}; "
                                       "continue with resume=true", stop.signum)
-
     report = measured_report(tracker, device)
-    deepspeed_engine.note_memory(report, model)  # what the tracker cannot see inside DeepSpeed; else nothing
-    if cfg.track_memory and not dist.enabled and not cfg.deepspeed:  # the plan beside the measurement (trace.py)
+    if cfg.track_memory and engine.traced:  # the plan beside the measurement (trace.py)
         add_estimate(report, cfg, device, peak_shape)
-    save_weights(model, tokenizer, out)  # sharded: gathered to rank 0, which writes ordinary files
-    if dist.is_main:
-        save_adapter_outputs(unwrap(model), cfg, out)  # random-init base next to the adapter; merged if merge: true
+    finish(engine, model, tokenizer, out, report)
+    return RunResult(out, state.losses, report)
+
+
+def next_micro_batches(stream, count: int, device: torch.device, tracker) -> list[dict]:
+    """One step's micro-batches on the device; the tracker counts their tensors as activations."""
+    micro_batches = [{k: v.to(device) for k, v in stream.next_batch().items()} for _ in range(count)]
+    for batch in micro_batches:
+        tracker.tag(batch.values(), "activations")
+    return micro_batches
+
+
+def log_step(metrics: MetricsLog, bar, cfg: RunConfig, step: int, result, lr: float, step_time_s: float,
+             epoch: int, tracker, nonfinite_in_row: int, nonfinite_total: int) -> None:
+    """The progress bar after every step; a metrics line every log_every steps (and the first and last)."""
+    if result.nonfinite:
+        log.warning("step %d: non-finite loss or gradients (loss %s); update skipped "
+                    "(%d in a row, %d in this run)", step, result.loss, nonfinite_in_row, nonfinite_total)
+    tokens_per_s = result.tokens / step_time_s
+    bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", peak=format_bytes(tracker.peak_bytes))
+    if step % cfg.log_every == 0 or step in (1, cfg.max_steps):
+        metrics.write({
+            "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
+            "skipped": result.skipped, "nonfinite": result.nonfinite, "tokens_per_s": round(tokens_per_s, 1),
+            "tokens": result.tokens, "step_time_s": round(step_time_s, 4), "epoch": epoch,
+            "peak_bytes": tracker.peak_bytes, "peak_by_category_bytes": tracker.peak_by_category()})
+
+
+def log_eval(metrics: MetricsLog, bar, step: int, scores) -> None:
+    metrics.write(scores.record(step), prefix="eval")
+    if bar is not None:
+        bar.write(f"step {step}: eval loss {scores.loss:.4f}, perplexity {scores.perplexity:,.2f} "
+                  f"({scores.tokens:,} tokens)")
+
+
+def check_finite(step: int, nonfinite_in_row: int, cfg: RunConfig, out: Path) -> None:
+    """Stop after max_nonfinite_steps NaN/inf steps in a row, pointing at the last good checkpoint."""
+    if nonfinite_in_row < cfg.max_nonfinite_steps:
+        return
+    last = latest_step_name(out / CHECKPOINTS_DIR)
+    raise NonFiniteError(
+        f"step {step}: loss or gradients were NaN/inf for {nonfinite_in_row} steps in a row (steps "
+        f"{step - nonfinite_in_row + 1}-{step}, max_nonfinite_steps={cfg.max_nonfinite_steps}); stopped. "
+        f"Last good checkpoint: {out / CHECKPOINTS_DIR / last if last else 'none'}. "
+        "Lower lr or check the data, then resume=true")
+
+
+def finish(engine: Engine, model, tokenizer, out: Path, report: MemoryReport) -> None:
+    """The final model and the memory report; under torchrun every rank calls this (the saves are collective)."""
+    engine.note_memory(report, out)  # every rank's peak; what the tracker cannot see inside DeepSpeed
+    engine.save_final(model, tokenizer, out)
+    if engine.is_main:
+        save_adapter_outputs(unwrap(model), engine.cfg, out)  # random-init base next to the adapter; merged if asked
         (out / "memory_report.txt").write_text(report.to_text() + "\n")
         (out / "memory_report.json").write_text(report.to_json() + "\n")
-    if dist.enabled:
-        write_rank_memory(dist, out, report, load_rss_bytes)  # every rank's peak -> distributed_memory.json
-    launch.teardown(dist)
-    return RunResult(out, losses, report)
+    engine.teardown()
 
 
 def measured_report(tracker, device: torch.device) -> MemoryReport:
@@ -274,9 +271,3 @@ def add_estimate(report: MemoryReport, cfg: RunConfig, device: torch.device, sha
         report.estimated_shape = {"micro_batch": shape.micro_batch, "seq_len": shape.seq_len,
                                   "grad_accum": shape.grad_accum}
     report.worst_case_seq_len, report.worst_case_peak_bytes = cfg.seq_len, worst.peak_allocated_bytes
-
-
-def save_model(model, tokenizer, out: Path) -> None:
-    """Weights as safetensors (adapters in PEFT's format), plus the tokenizer."""
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)

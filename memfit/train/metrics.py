@@ -95,7 +95,9 @@ _MAKERS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _MLflow}
 class MetricsLog:
     """Append-only metrics of one run. A context manager: sinks are flushed and closed on exit."""
 
-    def __init__(self, out: Path, sinks: list[str], config: dict, is_main: bool = True):
+    def __init__(self, out: Path, sinks: list[str] | None, config: dict, is_main: bool = True):
+        """`sinks` None: the default ones (TensorBoard when it is installed)."""
+        sinks = default_sinks() if sinks is None else sinks
         self.path = Path(out) / "metrics.jsonl"
         self.is_main = is_main
         self.file = open(self.path if is_main else os.devnull, "a")

@@ -48,12 +48,12 @@ ENGINES = {  # name -> overrides; data-parallel engines use micro_batch 1 per ra
 
 WORKER = '''
 import json, os, sys, torch.distributed as dist
-import memfit.train.loop as loop
+import memfit.distributed.engine as engine
 from memfit.config import load_config
 from memfit.train.loop import train
 
 
-def recording_shard(model, optimizer_factory, cfg, ctx, device, _shard=loop.shard):
+def recording_shard(model, optimizer_factory, cfg, ctx, device, _shard=engine.shard):
     """What this rank held as built (meta or not) and after sharding (parameter bytes): load-rank<r>.json."""
     built_on_meta = all(p.is_meta for p in model.parameters())
     model, optimizer = _shard(model, optimizer_factory, cfg, ctx, device)
@@ -65,7 +65,7 @@ def recording_shard(model, optimizer_factory, cfg, ctx, device, _shard=loop.shar
     return model, optimizer
 
 
-loop.shard = recording_shard
+engine.shard = recording_shard
 dist.init_process_group("gloo")  # one group for every run; train() leaves a group it did not create
 config, out = sys.argv[1], sys.argv[2]
 for line in open(os.path.join(out, "engines.txt")):

@@ -12,7 +12,7 @@ import torch
 
 from memfit.config import ConfigError, load_config
 from memfit.config.deepspeed import deepspeed_problems, resolved_config
-from memfit.distributed.deepspeed_engine import EnginePrecision, engine_precision, torch_optimizer
+from memfit.distributed.deepspeed_engine import EnginePrecision, torch_optimizer
 from memfit.config.distributed import launch_problems
 from memfit.errors import MemfitError
 from memfit.strategies.precision import make_precision
@@ -180,10 +180,8 @@ def test_engine_precision_steps_between_micro_batches_and_updates_at_the_boundar
                             ("backward", False), ("step", True)]
 
 
-def test_without_an_engine_the_precision_and_optimizer_are_unchanged():
-    plan = make_precision("fp32", torch.device("cpu"))
+def test_a_torch_optimizer_is_what_the_scheduler_drives_unchanged():
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
-    assert engine_precision(torch.nn.Linear(1, 1), plan) is plan
     assert torch_optimizer(optimizer) is optimizer
 
 
