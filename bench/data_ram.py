@@ -69,8 +69,8 @@ def child_streaming(path: str, workers: int) -> dict:
     from memfit.config import load_config
     from memfit.data.streaming import StreamingBatches
 
-    cfg = load_config(None, [f"data.path={path}", "data.format=text", "data.streaming=true", "seq_len=1024",
-                             "packing=true", "micro_batch=8", "data.shuffle_buffer=1000", f"data.num_workers={workers}"])
+    cfg = load_config(None, [f"data.path={path}", "data.format=text", "data.streaming=true", "data.seq_len=1024",
+                             "data.packing=true", "batch.micro_batch=8", "data.shuffle_buffer=1000", f"data.num_workers={workers}"])
     stream = StreamingBatches(cfg, WordTokenizer())
     started, batches, tokens, worker_uss = time.perf_counter(), 0, 0, 0
     while stream.epoch == 0:
@@ -96,7 +96,7 @@ def child_throughput(path: str, workers: int, limit: int, out: str) -> dict:
     from memfit.data.prepare import prepare_dataset
     from memfit.models.tokenizer import byte_tokenizer
 
-    cfg = load_config(None, [f"data.path={path}", "data.format=text", "seq_len=4096", f"data.limit={limit}",
+    cfg = load_config(None, [f"data.path={path}", "data.format=text", "data.seq_len=4096", f"data.limit={limit}",
                              f"data.num_workers={workers}"])
     report = prepare_dataset(cfg, byte_tokenizer(), out, overwrite=True, progress=False)
     shutil.rmtree(out)

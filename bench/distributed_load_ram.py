@@ -43,9 +43,9 @@ DS_ZERO3 = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_ste
             "gradient_clipping": "auto", "zero_optimization": {
                 "stage": 3, "reduce_bucket_size": "auto", "stage3_prefetch_bucket_size": "auto",
                 "stage3_param_persistence_threshold": "auto"}}
-ENGINES = {"ddp": ["sharding=ddp"], "zero3": ["sharding=zero3"], "tp2": ["tensor_parallel=2"],
-           "pp2": ["pipeline_parallel=2", "max_grad_norm=null"],  # pipelines refuse gradient clipping
-           "ds_zero3": ["deepspeed={ds_json}"], "ds_zero3_full": ["deepspeed={ds_json}"]}
+ENGINES = {"ddp": ["distributed.sharding=ddp"], "zero3": ["distributed.sharding=zero3"], "tp2": ["distributed.tensor_parallel=2"],
+           "pp2": ["distributed.pipeline_parallel=2", "optim.max_grad_norm=null"],  # pipelines refuse gradient clipping
+           "ds_zero3": ["distributed.deepspeed={ds_json}"], "ds_zero3_full": ["distributed.deepspeed={ds_json}"]}
 # memfit's CLI recording each rank's peak RSS as deepspeed.initialize starts (build-rss-rank<r>.json);
 # ds_zero3_full: with DeepSpeed's load-from-rank-0 switched off (every rank loads the full model).
 DS_SCRIPT = """import json, os, runpy, sys
@@ -80,8 +80,8 @@ def run(model_dir: Path, out: Path, engine: str) -> list[dict]:
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
                *entry, "train", str(ROOT / "memfit/configs/demo.yaml"), f"model={model_dir}",
                f"output_dir={out}", "overwrite=true", *(o.format(ds_json=ds_json) for o in ENGINES[engine]),
-               "max_steps=1", "micro_batch=1",
-               "seq_len=256", "data.limit=8", "save_every=0", "device=cpu", "optimizer=adamw", "precision=fp32", "--no-progress"]
+               "max_steps=1", "batch.micro_batch=1",
+               "data.seq_len=256", "data.limit=8", "checkpoints.every=0", "device=cpu", "optim.name=adamw", "precision=fp32", "--no-progress"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     if result.returncode:
         sys.exit(result.stderr[-3000:])

@@ -24,10 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 ENGINES = {
-    "ddp": ["sharding=ddp", "micro_batch=1"], "zero1": ["sharding=zero1", "micro_batch=1"],
-    "zero2": ["sharding=zero2", "micro_batch=1"], "zero3": ["sharding=zero3", "micro_batch=1"],
-    "zero3+offload": ["sharding=zero3", "offload=all", "micro_batch=1"],
-    "tp 2": ["tensor_parallel=2"], "pp 2": ["pipeline_parallel=2", "max_grad_norm=null"],
+    "ddp": ["distributed.sharding=ddp", "batch.micro_batch=1"], "zero1": ["distributed.sharding=zero1", "batch.micro_batch=1"],
+    "zero2": ["distributed.sharding=zero2", "batch.micro_batch=1"], "zero3": ["distributed.sharding=zero3", "batch.micro_batch=1"],
+    "zero3+offload": ["distributed.sharding=zero3", "distributed.offload=all", "batch.micro_batch=1"],
+    "tp 2": ["distributed.tensor_parallel=2"], "pp 2": ["distributed.pipeline_parallel=2", "optim.max_grad_norm=null"],
 }
 WORKER = '''
 import os, sys, torch.distributed as dist

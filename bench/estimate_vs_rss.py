@@ -74,8 +74,8 @@ def measure(args) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="memfit-rss-"))
     model_dir, data = write_model_and_data(folder, args.layers, args.hidden)
     cfg = load_config(None, [f"model={model_dir}", f"data.path={data}", "data.format=text", "max_steps=2",
-                             "device=cpu", f"micro_batch={args.micro_batch}", f"seq_len={args.seq_len}",
-                             f"precision={args.precision}", f"optimizer={args.optimizer}", "warmup_steps=0",
+                             "device=cpu", f"batch.micro_batch={args.micro_batch}", f"data.seq_len={args.seq_len}",
+                             f"precision={args.precision}", f"optim.name={args.optimizer}", "optim.warmup_steps=0",
                              f"output_dir={folder / 'run'}"])
     estimate = trace_estimate(cfg, device="cpu", padded=False)
 

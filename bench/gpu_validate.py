@@ -21,13 +21,13 @@ import time
 import torch
 
 CONFIGS = [  # RunConfig overrides; ~1B model, each well under a minute on a modern GPU
-    "precision=bf16-mixed optimizer=adamw micro_batch=4 seq_len=1024",
-    "precision=bf16-mixed optimizer=adamw-8bit checkpointing=full micro_batch=8 seq_len=1024",
-    "precision=bf16-pure optimizer=adamw micro_batch=4 seq_len=2048",
-    "precision=bf16-pure method=lora lora.rank=32 micro_batch=4 seq_len=1024",
-    "precision=bf16-mixed method=lora lora.targets=all-linear checkpointing=full micro_batch=8 seq_len=2048",
-    "precision=bf16-mixed method=qlora lora.targets=all-linear micro_batch=4 seq_len=1024",
-    "precision=bf16-mixed attention=eager optimizer=adamw-8bit micro_batch=2 seq_len=1024",
+    "precision=bf16-mixed optim.name=adamw batch.micro_batch=4 data.seq_len=1024",
+    "precision=bf16-mixed optim.name=adamw-8bit memory.checkpointing=full batch.micro_batch=8 data.seq_len=1024",
+    "precision=bf16-pure optim.name=adamw batch.micro_batch=4 data.seq_len=2048",
+    "precision=bf16-pure method=lora lora.rank=32 batch.micro_batch=4 data.seq_len=1024",
+    "precision=bf16-mixed method=lora lora.targets=all-linear memory.checkpointing=full batch.micro_batch=8 data.seq_len=2048",
+    "precision=bf16-mixed method=qlora lora.targets=all-linear batch.micro_batch=4 data.seq_len=1024",
+    "precision=bf16-mixed memory.attention=eager optim.name=adamw-8bit batch.micro_batch=2 data.seq_len=1024",
 ]
 
 
@@ -50,10 +50,10 @@ def run_one(overrides: list[str], steps: int) -> dict:
     vocab = model.config.vocab_size
     started = time.perf_counter()
     for _ in range(steps):
-        ids = torch.randint(0, vocab, (cfg.micro_batch, cfg.seq_len), device=device)
+        ids = torch.randint(0, vocab, (cfg.batch.micro_batch, cfg.data.seq_len), device=device)
         batches = [dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
-                   for _ in range(cfg.grad_accum)]
-        training_step(model, optimizer, batches, precision, NullTracker(), params, cfg.max_grad_norm)
+                   for _ in range(cfg.batch.grad_accum)]
+        training_step(model, optimizer, batches, precision, NullTracker(), params, cfg.optim.max_grad_norm)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - started) / steps
     free, total = torch.cuda.mem_get_info()

@@ -49,8 +49,8 @@ def main() -> None:
         "full": ["method=full"],
         "lora": ["method=lora", "lora.targets=all-linear"],
         "qlora": ["method=qlora", "lora.targets=all-linear"],                       # bitsandbytes nf4-dq
-        "qlora-torchao": ["method=qlora", "lora.targets=all-linear", "quant_backend=torchao"],
-        "int8-lora": ["method=lora", "quant=int8", "lora.targets=all-linear"],
+        "qlora-torchao": ["method=qlora", "lora.targets=all-linear", "quant.backend=torchao"],
+        "int8-lora": ["method=lora", "quant.scheme=int8", "lora.targets=all-linear"],
     }
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.micro_batch, args.seq_len), generator=generator)
@@ -64,7 +64,7 @@ def main() -> None:
         total_params = sum(p.numel() for p in model.parameters())
         model = apply_method(model, cfg, "cpu").train()
         params = [p for p in model.parameters() if p.requires_grad]
-        optimizer = build_optimizer(cfg.optimizer, params, 1e-4)
+        optimizer = build_optimizer(cfg.optim.name, params, 1e-4)
         tracker = MemoryTracker()
         times = []
         with tracker:

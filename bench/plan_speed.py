@@ -30,9 +30,9 @@ def main() -> None:
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(2)
-    cfg = load_config(None, [f"model={args.model}", "precision=bf16-mixed", "checkpointing=full",
-                             "micro_batch=1", f"seq_len={args.seq_len}"])
-    trace_estimate(load_config(None, ["seq_len=8", "micro_batch=1"]), device="cpu")  # imports, first-call setup
+    cfg = load_config(None, [f"model={args.model}", "precision=bf16-mixed", "memory.checkpointing=full",
+                             "batch.micro_batch=1", f"data.seq_len={args.seq_len}"])
+    trace_estimate(load_config(None, ["data.seq_len=8", "batch.micro_batch=1"]), device="cpu")  # imports, first-call setup
     print(f"traced plan of {args.model}: bf16-mixed, checkpointing full, micro_batch 1, seq_len {args.seq_len}")
     print(f"{'target':<8}{'wall s':>9}{'cpu s':>9}{'peak allocated':>18}  by category at the peak")
     for device in args.devices.split(","):

@@ -30,9 +30,9 @@ from memfit.units import format_bytes
 CONFIGS = {
     "baseline fp32 + AdamW": [],
     "bf16-mixed": ["precision=bf16-mixed"],
-    "checkpointing (every layer)": ["checkpointing=full"],
-    "8-bit AdamW (bitsandbytes)": ["optimizer=adamw-8bit"],
-    "all three": ["precision=bf16-mixed", "checkpointing=full", "optimizer=adamw-8bit"],
+    "checkpointing (every layer)": ["memory.checkpointing=full"],
+    "8-bit AdamW (bitsandbytes)": ["optim.name=adamw-8bit"],
+    "all three": ["precision=bf16-mixed", "memory.checkpointing=full", "optim.name=adamw-8bit"],
 }
 
 
@@ -58,8 +58,8 @@ def write_data(path: Path, rows: int = 64) -> None:
 
 def run_once(name: str, overrides: list[str], model_dir: Path, data: Path, out: Path, args) -> dict:
     cfg = load_config(None, [f"model={model_dir}", f"data.path={data}", "data.format=text", f"output_dir={out}",
-                             "overwrite=true", f"max_steps={args.steps}", f"micro_batch={args.micro_batch}",
-                             f"seq_len={args.seq_len}", "log_every=1", "warmup_steps=0", "device=cpu", *overrides])
+                             "overwrite=true", f"max_steps={args.steps}", f"batch.micro_batch={args.micro_batch}",
+                             f"data.seq_len={args.seq_len}", "logging.every=1", "optim.warmup_steps=0", "device=cpu", *overrides])
     result = train(cfg, progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"peak_bytes": result.report.measured_peak_bytes, "by_category": result.report.measured_by_category,

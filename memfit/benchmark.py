@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from memfit.config import build_config
+from memfit.config import RunConfig, load_config
 from memfit.errors import MemfitError, require
 from memfit.train.loop import train
 from memfit.units import format_bytes
@@ -27,20 +27,20 @@ log = logging.getLogger(__name__)
 VARIANTS: dict[str, dict] = {
     "baseline": {},
     "bf16-mixed": {"precision": "bf16-mixed"},
-    "checkpointing": {"checkpointing": "full"},
-    "adamw-8bit": {"optimizer": "adamw-8bit"},
-    "chunked-loss": {"chunked_loss": True},
-    "optimizer-in-backward": {"optimizer_in_backward": True, "max_grad_norm": None},
-    "activation-offload": {"activation_offload": True},
+    "checkpointing": {"memory.checkpointing": "full"},
+    "adamw-8bit": {"optim.name": "adamw-8bit"},
+    "chunked-loss": {"memory.chunked_loss": True},
+    "optimizer-in-backward": {"memory.optimizer_in_backward": True, "optim.max_grad_norm": None},
+    "activation-offload": {"memory.activation_offload": True},
     "lora": {"method": "lora"},
-    "qlora": {"method": "qlora"},
+    "qlora": {"method": "qlora", "quant.scheme": "nf4-dq"},
     # The roadmap: mixed precision + checkpointing + 8-bit optimizer, then adapters on top.
-    "roadmap: bf16+ckpt+8bit": {"precision": "bf16-mixed", "checkpointing": "full", "optimizer": "adamw-8bit"},
-    "roadmap: + chunked loss": {"precision": "bf16-mixed", "checkpointing": "full", "optimizer": "adamw-8bit",
-                                "chunked_loss": True},
-    "roadmap: lora+bf16+ckpt": {"method": "lora", "precision": "bf16-mixed", "checkpointing": "full"},
-    "roadmap: qlora+bf16+ckpt": {"method": "qlora", "precision": "bf16-mixed", "checkpointing": "full",
-                                 "chunked_loss": True},
+    "roadmap: bf16+ckpt+8bit": {"precision": "bf16-mixed", "memory.checkpointing": "full", "optim.name": "adamw-8bit"},
+    "roadmap: + chunked loss": {"precision": "bf16-mixed", "memory.checkpointing": "full", "optim.name": "adamw-8bit",
+                                "memory.chunked_loss": True},
+    "roadmap: lora+bf16+ckpt": {"method": "lora", "precision": "bf16-mixed", "memory.checkpointing": "full"},
+    "roadmap: qlora+bf16+ckpt": {"method": "qlora", "quant.scheme": "nf4-dq", "precision": "bf16-mixed",
+                                 "memory.checkpointing": "full", "memory.chunked_loss": True},
 }
 
 
@@ -61,12 +61,14 @@ def _median_after_first(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def run_variant(name: str, overrides: dict, base: dict, workdir: Path) -> BenchRow:
-    row = BenchRow(name, overrides)
-    raw = {**base, **overrides, "output_dir": str(workdir / name.replace(" ", "_").replace(":", "").replace("+", "-")),
-           "overwrite": True, "log_every": 1, "save_every": 0, "track_memory": True}
+def run_variant(name: str, changes: dict, base: RunConfig, workdir: Path) -> BenchRow:
+    """`changes`: {config path: value} on top of `base`."""
+    row = BenchRow(name, changes)
+    out = workdir / name.replace(" ", "_").replace(":", "").replace("+", "-")
     try:
-        result = train(build_config(raw, f"bench variant '{name}'"), progress=False)
+        cfg = base.updated({**changes, "output_dir": str(out), "overwrite": True, "logging.every": 1,
+                            "checkpoints.every": 0, "logging.track_memory": True}, f"bench variant '{name}'")
+        result = train(cfg, progress=False)
     except (MemfitError, ImportError, NotImplementedError, RuntimeError) as exc:
         row.error = str(exc).splitlines()[0][:200]
         log.warning("bench: %s could not run: %s", name, row.error)
@@ -81,7 +83,7 @@ def run_variant(name: str, overrides: dict, base: dict, workdir: Path) -> BenchR
 
 
 def run_bench(model: str, steps: int = 4, seq_len: int = 256, micro_batch: int = 4, variants: list[str] | None = None,
-              extra: dict | None = None, workdir: str | Path | None = None) -> list[BenchRow]:
+              overrides: list[str] = (), workdir: str | Path | None = None) -> list[BenchRow]:
     """Run the chosen variants (default: all) and return one row each, baseline first."""
     names = variants or list(VARIANTS)
     unknown = [n for n in names if n not in VARIANTS]
@@ -89,14 +91,16 @@ def run_bench(model: str, steps: int = 4, seq_len: int = 256, micro_batch: int =
         raise MemfitError(f"bench: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     if "baseline" not in names:
         names = ["baseline", *names]  # every ratio needs it
-    base = {"model": {"name": model}, "max_steps": steps, "seq_len": seq_len, "micro_batch": micro_batch,
-            "warmup_steps": 0, **(extra or {})}
+    base = load_config(None, [f"model={model}", f"max_steps={steps}", f"data.seq_len={seq_len}",
+                              f"batch.micro_batch={micro_batch}", "optim.warmup_steps=0", *overrides])
     with tempfile.TemporaryDirectory(prefix="memfit-bench-") as tmp:
         root = Path(workdir) if workdir else Path(tmp)
         rows = []
         for name in names:
             log.info("bench: %s", name)
             rows.append(run_variant(name, VARIANTS[name], base, root))
+            if rows[0].error:
+                raise MemfitError(f"bench: the baseline could not run ({rows[0].error}); every ratio needs it")
     return rows
 
 

@@ -52,16 +52,16 @@ def build_run(cfg: RunConfig, device: torch.device, on_meta: bool = False, wrap:
 
     on_meta: build without memory (a sharded rank that receives its weights, or the tracer).
     place_on: where the weights go before a quantized method quantizes them (None: stay put).
-    attention: overrides cfg.attention (the tracer traces flash-attn with SDPA's kernel).
+    attention: overrides cfg.memory.attention (the tracer traces flash-attn with SDPA's kernel).
     quantize_on_load: quantize while loading weights (transformers' quantization config); the
     tracer, which loads nothing, quantizes the meta model instead."""
     precision = make_precision(cfg.precision, device)
     load_kwargs = quantized_loading(cfg, device) if quantize_on_load else None
-    model = build_model(cfg.model, attention or cfg.attention, dtype=precision.weight_dtype, on_meta=on_meta,
+    model = build_model(cfg.model, attention or cfg.memory.attention, dtype=precision.weight_dtype, on_meta=on_meta,
                         load_kwargs=load_kwargs)
     model.config.use_cache = False  # no KV cache in training; a cache also turns off packed masks (data/packing.py)
-    model = apply_method(apply_checkpointing(model, cfg.activation_checkpoint_every), cfg, place_on)
+    model = apply_method(apply_checkpointing(model, cfg.memory.activation_checkpoint_every), cfg, place_on)
     model, optimizer = wrap(model, lambda params: build_optimizer(
-        cfg.optimizer, params, cfg.lr, cfg.weight_decay, cfg.optimizer_backend, device))
+        cfg.optim.name, params, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.backend, device))
     model.train()
     return Run(model, optimizer, precision, trainable(model))

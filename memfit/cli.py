@@ -46,30 +46,36 @@ def cmd_train(args) -> int:
     return 0
 
 
-# `memfit plan` options: each is the RunConfig key of the same name (dashes for underscores); choices come
-# from RunConfig's own field types.
 def _plan_options() -> dict:
+    """`memfit plan` options: flag -> (the RunConfig path it sets, argparse settings). Choices come from
+    the config's own types, so the CLI never keeps a copy of them."""
     from typing import get_args
 
-    from memfit.config import RunConfig
+    from memfit.config import Attention, Method, Offload, Optimizer, Precision, Quant, Sharding
 
-    def choices(name):
-        return dict(choices=list(get_args(RunConfig.model_fields[name].annotation)))
+    def choices(kind):
+        return dict(choices=list(get_args(kind)))
 
     switch = dict(action="store_const", const="true")
     return {
-        "method": choices("method"), "precision": choices("precision"), "optimizer": choices("optimizer"),
-        "checkpointing": dict(help="none, full or every-N"), "attention": choices("attention"),
-        "micro_batch": dict(help="sequences per forward/backward (or auto)"), "seq_len": dict(type=int),
-        "grad_accum": dict(type=int), "packing": dict(choices=["true", "false"]), "lora.rank": dict(type=int),
-        "lora.alpha": dict(type=float), "lora.targets": dict(help="comma-separated module names, or all-linear"),
-        "quant": choices("quant"), "sharding": choices("sharding"), "offload": choices("offload"),
-        "tensor_parallel": dict(type=int, help="tensor-parallel degree K (alias --tp)"),
-        "pipeline_parallel": dict(type=int, help="pipeline stages S (alias --pp)"),
-        "max_grad_norm": dict(help="gradient clipping norm, or null"),
-        "chunked_loss": dict(switch, help="cross-entropy in chunks (no full logits)"),
-        "optimizer_in_backward": dict(switch, help="update each parameter during backward (gives up clipping)"),
-        "activation_offload": dict(switch, help="saved activations in host memory (CUDA)"),
+        "method": ("method", choices(Method)), "precision": ("precision", choices(Precision)),
+        "optimizer": ("optim.name", choices(Optimizer)),
+        "checkpointing": ("memory.checkpointing", dict(help="none, full or every-N")),
+        "attention": ("memory.attention", choices(Attention)),
+        "micro-batch": ("batch.micro_batch", dict(help="sequences per forward/backward (or auto)")),
+        "seq-len": ("data.seq_len", dict(type=int)), "grad-accum": ("batch.grad_accum", dict(type=int)),
+        "packing": ("data.packing", dict(choices=["true", "false"])),
+        "lora-rank": ("lora.rank", dict(type=int)), "lora-alpha": ("lora.alpha", dict(type=float)),
+        "lora-targets": ("lora.targets", dict(help="comma-separated module names, or all-linear")),
+        "quant": ("quant.scheme", choices(Quant)), "sharding": ("distributed.sharding", choices(Sharding)),
+        "offload": ("distributed.offload", choices(Offload)),
+        "tensor-parallel": ("distributed.tensor_parallel", dict(type=int, help="tensor-parallel degree K (alias --tp)")),
+        "pipeline-parallel": ("distributed.pipeline_parallel", dict(type=int, help="pipeline stages S (alias --pp)")),
+        "max-grad-norm": ("optim.max_grad_norm", dict(help="gradient clipping norm, or null")),
+        "chunked-loss": ("memory.chunked_loss", dict(switch, help="cross-entropy in chunks (no full logits)")),
+        "optimizer-in-backward": ("memory.optimizer_in_backward",
+                                  dict(switch, help="update each parameter during backward (gives up clipping)")),
+        "activation-offload": ("memory.activation_offload", dict(switch, help="saved activations in host memory (CUDA)")),
     }
 
 
@@ -83,16 +89,16 @@ def cmd_plan(args) -> int:
     from memfit.memory.planner import parse_budget, plan, plan_text, write_config
 
     overrides = [f"model={args.model}"]
-    for key in PLAN_OPTIONS:
-        value = getattr(args, key.replace(".", "_"))
+    for path, _ in PLAN_OPTIONS.values():
+        value = getattr(args, path.replace(".", "_"))
         if value is None:
             continue
-        if key == "lora.targets" and value != "all-linear":
+        if path == "lora.targets" and value != "all-linear":
             value = "[" + value + "]"
-        overrides.append(f"{key}={value}")
+        overrides.append(f"{path}={value}")
     overrides += list(args.set or [])
-    if args.optimizer_in_backward and not any(o.startswith("max_grad_norm=") for o in overrides):
-        overrides.append("max_grad_norm=null")  # the update happens before a global norm is known
+    if args.memory_optimizer_in_backward and not any(o.startswith("optim.max_grad_norm=") for o in overrides):
+        overrides.append("optim.max_grad_norm=null")  # the update happens before a global norm is known
     cfg = load_config(args.config, overrides)
     device = args.device or ("cpu" if cfg.device == "cpu" else "cuda")
     margin = parse_budget(args.margin, "--margin", allow_zero=True)
@@ -128,7 +134,7 @@ def cmd_demo(args) -> int:
     overrides = ["output_dir=runs/demo", "overwrite=true", *args.overrides]
     cfg = load_config(_shipped_config("demo.yaml"), overrides)
     print(f"memfit demo: fine-tuning {cfg.model.name} on {cfg.data.path} for {cfg.max_steps} steps "
-          f"({cfg.precision}, optimizer {cfg.optimizer}, checkpointing {cfg.checkpointing})")
+          f"({cfg.precision}, optimizer {cfg.optim.name}, checkpointing {cfg.memory.checkpointing})")
     result = train(cfg, progress=not args.no_progress)
     _print_summary(result)
     return 0
@@ -150,13 +156,11 @@ def cmd_data_prepare(args) -> int:
 
 def cmd_bench(args) -> int:
     from memfit.benchmark import VARIANTS, run_bench, save_results, to_table
-    from memfit.config import apply_overrides
 
     if args.list:
         print("\n".join(f"{name:<28}{overrides}" for name, overrides in VARIANTS.items()))
         return 0
-    extra = apply_overrides({}, args.overrides)
-    rows = run_bench(args.model, args.steps, args.seq_len, args.micro_batch, args.variants, extra)
+    rows = run_bench(args.model, args.steps, args.seq_len, args.micro_batch, args.variants, args.overrides)
     title = (f"memfit bench {args.model}: {args.steps} steps, micro_batch {args.micro_batch} x seq_len {args.seq_len}"
              + (f", {' '.join(args.overrides)}" if args.overrides else ""))
     print(title)
@@ -209,7 +213,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     train = sub.add_parser("train", help="fine-tune a model as a YAML config describes")
     train.add_argument("config", help="RunConfig YAML file")
-    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. micro_batch=2 lora.rank=16")
+    train.add_argument("overrides", nargs="*", help="dotted overrides, e.g. batch.micro_batch=2 lora.rank=16")
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.set_defaults(func=cmd_train)
 
@@ -246,10 +250,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_cmd = sub.add_parser("plan", help="predict a run's peak GPU/CPU memory; with --budget, pick the fastest setup that fits")
     plan_cmd.add_argument("model", help="preset name (`memfit presets`), local folder with config.json, or hub id")
-    for key, kwargs in PLAN_OPTIONS.items():
-        aliases = {"tensor_parallel": ["--tp"], "pipeline_parallel": ["--pp"]}.get(key, [])
-        plan_cmd.add_argument("--" + key.replace("_", "-").replace(".", "-"), *aliases, dest=key.replace(".", "_"),
-                              **kwargs)
+    for flag, (path, kwargs) in PLAN_OPTIONS.items():
+        aliases = {"tensor-parallel": ["--tp"], "pipeline-parallel": ["--pp"]}.get(flag, [])
+        plan_cmd.add_argument("--" + flag, *aliases, dest=path.replace(".", "_"), **kwargs)
     plan_cmd.add_argument("--config", help="start from this RunConfig YAML (options override it)")
     plan_cmd.add_argument("--set", action="append", metavar="KEY=VALUE", help="any other RunConfig key (repeatable)")
     plan_cmd.add_argument("--budget", help="GPU memory per device, e.g. 24GiB or 80GB: search for the fastest plan "
@@ -280,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
     prepare = data.add_parser("prepare", help="tokenize data.path with data.num_workers processes into "
                                               "memory-mapped Arrow at data.prepared_dir (memfit train reuses it)")
     prepare.add_argument("config", help="RunConfig YAML file")
-    prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.num_workers=4 packing=true")
+    prepare.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.num_workers=4 data.packing=true")
     prepare.add_argument("--out", help="output folder (default: data.prepared_dir)")
     prepare.add_argument("--overwrite", action="store_true", help="replace an existing prepared folder")
     prepare.add_argument("--no-progress", action="store_true", help="no progress bar")

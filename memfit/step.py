@@ -55,9 +55,9 @@ def step_strategies(cfg, device: torch.device, optimizer: torch.optim.Optimizer,
     """training_step's strategy hooks for this run, as keyword arguments (all no-ops when off).
     The loop and the planner's trace both call this, once per model (it registers the
     optimizer-in-backward hooks). `traced`: fake tensors estimating `device`."""
-    return {"loss_fn": loss_function(cfg.chunked_loss),
-            "saved_activations": activation_offload(cfg.activation_offload, device, params, traced=traced),
-            "update": in_backward_update(cfg.optimizer_in_backward, optimizer, params)}
+    return {"loss_fn": loss_function(cfg.memory.chunked_loss),
+            "saved_activations": activation_offload(cfg.memory.activation_offload, device, params, traced=traced),
+            "update": in_backward_update(cfg.memory.optimizer_in_backward, optimizer, params)}
 
 
 def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],

@@ -7,6 +7,7 @@ listing every problem at once, each with its field path and what is allowed.
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Any, Literal, Union
@@ -22,11 +23,16 @@ from memfit.strategies.optimizers import optimizer_problems
 from memfit.strategies.quantization import quant_problems
 from memfit.units import parse_bytes
 
+# The choices of every enumerated setting, defined once: fields, the CLI and the planner read them here.
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]
 Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion", "lion-8bit", "sgd"]
 Attention = Literal["eager", "sdpa", "flash"]
 Method = Literal["full", "lora", "qlora"]
+Quant = Literal["none", "nf4", "nf4-dq", "fp4", "int8"]
+Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3"]
+Offload = Literal["none", "optimizer", "params", "all"]
 
+log = logging.getLogger(__name__)
 _CHECKPOINTING = re.compile(r"^(none|full|every-[1-9][0-9]*)$")
 
 
@@ -70,6 +76,9 @@ class DataConfig(_Section):
     shuffle_buffer: int = Field(10_000, ge=0, description="Streaming: examples held to shuffle within (0 = file order).")
     group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding; "
                                                      "sorted within windows of 64 micro-batches).")
+    seq_len: int = Field(256, ge=8, description="Maximum tokens per sequence (longer examples are truncated).")
+    packing: bool = Field(False, description="Pack several examples into each seq_len sequence (position ids restart "
+                                             "per example, so attention and loss never cross one).")
 
     @field_validator("fields")
     @classmethod
@@ -92,6 +101,8 @@ class LoraConfig(_Section):
     use_rslora: bool = Field(False, description="rsLoRA: scale adapters by alpha / sqrt(r) instead of alpha / r.")
     train_embeddings: bool = Field(False, description="Also train the input embeddings in full (peft modules_to_save).")
     train_lm_head: bool = Field(False, description="Also train the output head in full (peft modules_to_save).")
+    merge: bool = Field(False, description="After training, also write the base with the adapters merged in "
+                                           "(full safetensors model in the base dtype) to output_dir/merged.")
 
 
 class EvalConfig(_Section):
@@ -120,89 +131,32 @@ class EvalConfig(_Section):
         return self
 
 
-class RunConfig(_Section):
-    model: ModelConfig = Field(default_factory=ModelConfig)
-    data: DataConfig = Field(default_factory=DataConfig)
-    output_dir: str = Field("runs/latest", description="Where weights, config, metrics and memory report go.")
-    overwrite: bool = Field(False, description="Allow writing into an output_dir that already holds a run.")
+class QuantConfig(_Section):
+    """Quantized base weights under LoRA; combinations are checked in memfit/strategies/quantization.py."""
 
-    method: Method = Field("full", description="full fine-tune, or LoRA / QLoRA adapters.")
-    precision: Precision = Field("fp32", description="fp32; bf16/fp16-mixed (autocast, fp32 master weights); bf16-pure.")
-    checkpointing: str = Field("none", description="Gradient checkpointing: none, full (every layer), or every-N.")
-    optimizer: Optimizer = Field("adamw", description="Optimizer; 8-bit ones keep states in 1 byte per value.")
-    optimizer_backend: Literal["auto", "bitsandbytes", "torchao"] = Field(
-        "auto", description="Backend for 8-bit optimizers; auto = bitsandbytes, else torchao.")
-    attention: Attention = Field("sdpa", description="Attention kernel: eager, sdpa, or flash (flash-attn package).")
-    lora: LoraConfig = Field(default_factory=LoraConfig)
-    # Quantized base weights; combinations are checked in memfit/strategies/quantization.py.
-    quant: Literal["none", "nf4", "nf4-dq", "fp4", "int8"] = Field(
-        "none", description="Base-weight quantization under LoRA: 4-bit nf4 / fp4, nf4-dq (double-quantized scales), "
-                            "or int8. method: qlora defaults to nf4-dq.")
-    quant_backend: Literal["auto", "bitsandbytes", "torchao"] = Field(
+    scheme: Quant = Field("none", description="4-bit nf4 / fp4, nf4-dq (double-quantized scales), or int8. "
+                                              "method: qlora defaults to nf4-dq.")
+    backend: Literal["auto", "bitsandbytes", "torchao"] = Field(
         "auto", description="Who quantizes: auto = bitsandbytes, else torchao NF4 (the portable path).")
     compute_dtype: Literal["auto", "fp32", "bf16", "fp16"] = Field(
         "auto", description="dtype quantized weights are dequantized to for matmuls; auto follows precision.")
-    merge: bool = Field(False, description="After training, also write the base with the adapters merged in "
-                                           "(full safetensors model in the base dtype) to output_dir/merged.")
 
-    micro_batch: Union[int, Literal["auto"]] = Field(
-        4, description="Sequences per forward/backward pass, or `auto`: the largest that fits (planner; memory_budget "
-                       "when set, else the device's memory). On a real out-of-memory error training halves it and "
-                       "doubles grad_accum (same effective batch) and redoes the step.")
-    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
-    seq_len: int = Field(256, ge=8, description="Maximum tokens per sequence (longer examples are truncated).")
-    packing: bool = Field(False, description="Pack several examples into each seq_len sequence (position ids restart "
-                                             "per example, so attention and loss never cross one).")
-    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
-    weight_decay: float = Field(0.0, ge=0)
-    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps before the schedule.")
-    lr_schedule: Literal["cosine", "linear", "constant"] = Field("cosine")
-    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip gradients to this global norm; null disables.")
-    max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
-    seed: int = Field(0)
-    log_every: int = Field(10, ge=1, description="Write metrics every N steps.")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out data: loss and perplexity.")
-    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
-        None, description="Where metrics go besides metrics.jsonl: null = tensorboard when installed; [] = nowhere else.")
-    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
-    track_memory: bool = Field(True, description="Measure memory by category with memfit's tracker.")
-    budget: str | None = Field(None, description="GPU memory budget for `memfit plan`'s choice before training: null "
-                                                 "(train as configured), auto (the free memory of the device) or a size "
-                                                 "like 24GiB; the planner picks the fastest setup that fits.")
 
-    # Step strategies: memfit/strategies/{loss,optimizer_in_backward,activation_offload}.py, train/oom.py.
+class MemoryConfig(_Section):
+    """Strategies that trade time for memory inside one process (memfit/strategies/)."""
+
+    checkpointing: str = Field("none", description="Activation memory.checkpointing: none, full (every layer), or every-N.")
+    attention: Attention = Field("sdpa", description="Attention kernel: eager, sdpa, or flash (flash-attn package).")
     chunked_loss: bool = Field(False, description="Cross-entropy over chunks of tokens with recomputation: the full "
                                                   "[tokens x vocab] fp32 logits never exist (same loss and gradients).")
     optimizer_in_backward: bool = Field(False, description="Update each parameter as soon as its gradient is ready and "
-                                                           "free that gradient; needs grad_accum: 1, max_grad_norm: null.")
+                                                           "free that gradient; needs batch.grad_accum: 1 and "
+                                                           "optim.max_grad_norm: null.")
     activation_offload: bool = Field(False, description="Keep tensors saved for backward in pinned CPU memory (CUDA "
                                                         "runs; a no-op on CPU). Same gradients, slower steps.")
-    memory_budget: str | None = Field(None, description="Tracked-memory ceiling, e.g. 512MiB or 20GB: a step that goes "
-                                                        "above it fails with out-of-memory as a full GPU would (tests "
-                                                        "OOM recovery on CPU), and micro_batch: auto fits under it.")
-
-    # Reliability: checkpoints, resume, non-finite steps; see memfit/checkpoint.py.
-    save_every: int = Field(100, ge=0, description="Write a resumable checkpoint every N optimizer steps "
-                                                   "(0: only when stopped by SIGTERM/SIGINT).")
-    keep_checkpoints: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
-    resume: bool = Field(False, description="Continue the run in output_dir from its last good checkpoint "
-                                            "(reuses output_dir; starts from step 0 if it has none).")
-    max_nonfinite_steps: int = Field(10, ge=1, description="Stop after this many steps in a row with a non-finite "
-                                                           "loss or gradient (each such step is skipped).")
-
-    # Scale-out: PyTorch's own engines; combinations are checked in memfit/config/distributed.py.
-    sharding: Literal["none", "ddp", "zero1", "zero2", "zero3"] = Field(
-        "none", description="Data-parallel engine under torchrun: ddp; zero1 (ZeroRedundancyOptimizer: optimizer "
-                            "states sharded); zero2 (FSDP2, + gradients); zero3 (FSDP2, + parameters).")
-    offload: Literal["none", "optimizer", "params", "all"] = Field(
-        "none", description="CPU offload with zero2/zero3 (FSDP2 CPUOffloadPolicy moves parameters, gradients and "
-                            "the optimizer step together, so params and all are the same there).")
-    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel degree K for Llama-family blocks (DTensor).")
-    pipeline_parallel: int = Field(1, ge=1, description="Pipeline stages S (torch.distributed.pipelining, GPipe; "
-                                                         "grad_accum micro-batches per step).")
-    deepspeed: str | None = Field(None, description="A DeepSpeed JSON config file (yours, as DeepSpeed reads it): "
-                                                  "the DeepSpeed engine runs the step under torchrun; values memfit "
-                                                  "owns may be \"auto\" (memfit/config/deepspeed.py).")
+    limit: str | None = Field(None, description="Tracked-memory ceiling, e.g. 512MiB or 20GB: a step that goes above it "
+                                                "fails with out-of-memory as a full GPU would (tests OOM recovery on "
+                                                "CPU), and batch.micro_batch: auto fits under it.")
 
     @field_validator("checkpointing")
     @classmethod
@@ -211,18 +165,47 @@ class RunConfig(_Section):
             raise ValueError("must be 'none', 'full' or 'every-N' with N >= 1 (e.g. 'every-2')")
         return value
 
-    @field_validator("report_to")
+    @field_validator("limit", mode="before")
     @classmethod
-    def _sinks_installed(cls, value: list[str] | None) -> list[str] | None:
-        return _missing_sink_packages(value)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _qlora_default_quant(cls, value: Any) -> Any:
-        """method: qlora without a quant setting means QLoRA's own choice, NF4 with double quantization."""
-        if isinstance(value, dict) and value.get("method") == "qlora" and "quant" not in value:
-            value = {**value, "quant": "nf4-dq"}
+    def _limit_form(cls, value: Any) -> str | None:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            value = f"{int(value)}B"  # a plain number is bytes
+        if value is not None:
+            if parse_bytes(value) <= 0:  # parse_bytes' own ValueError says how to write a size
+                raise ValueError("must be a positive size, e.g. 512MiB")
         return value
+
+    @property
+    def limit_bytes(self) -> int | None:
+        return None if self.limit is None else parse_bytes(self.limit)
+
+    @property
+    def activation_checkpoint_every(self) -> int:
+        """0 = no checkpointing, 1 = every layer, N = every N-th layer."""
+        if self.checkpointing == "none":
+            return 0
+        return 1 if self.checkpointing == "full" else int(self.checkpointing.split("-")[1])
+
+
+class OptimConfig(_Section):
+    name: Optimizer = Field("adamw", description="Optimizer; 8-bit ones keep states in 1 byte per value.")
+    backend: Literal["auto", "bitsandbytes", "torchao"] = Field(
+        "auto", description="Backend for 8-bit optimizers; auto = bitsandbytes, else torchao.")
+    lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
+    weight_decay: float = Field(0.0, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Learning-rate schedule after warm-up.")
+    warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps before the schedule.")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="Clip gradients to this global norm; null disables.")
+    max_nonfinite_steps: int = Field(10, ge=1, description="Stop after this many steps in a row with a non-finite "
+                                                           "loss or gradient (each such step is skipped).")
+
+
+class BatchConfig(_Section):
+    micro_batch: Union[int, Literal["auto"]] = Field(
+        4, description="Sequences per forward/backward pass, or `auto`: the largest that fits (planner; memory.limit "
+                       "when set, else the device's memory). On a real out-of-memory error training halves it and "
+                       "doubles grad_accum (same effective batch) and redoes the step.")
+    grad_accum: int = Field(1, ge=1, description="Micro-batches per optimizer step.")
 
     @field_validator("micro_batch", mode="before")
     @classmethod
@@ -230,6 +213,90 @@ class RunConfig(_Section):
         if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1):
             return value
         raise ValueError("must be an integer >= 1 or 'auto'")
+
+
+class CheckpointConfig(_Section):
+    """Resumable checkpoints (memfit/checkpoint.py; sharded runs: memfit/distributed/)."""
+
+    every: int = Field(100, ge=0, description="Write a resumable checkpoint every N optimizer steps "
+                                              "(0: only when stopped by SIGTERM/SIGINT).")
+    keep: int = Field(2, ge=1, description="How many of the newest checkpoints to keep.")
+
+
+class DistributedConfig(_Section):
+    """Scale-out on PyTorch's own engines and DeepSpeed; combinations are checked in memfit/config/distributed.py."""
+
+    sharding: Sharding = Field(
+        "none", description="Data-parallel engine under torchrun: ddp; zero1 (ZeroRedundancyOptimizer: optimizer "
+                            "states sharded); zero2 (FSDP2, + gradients); zero3 (FSDP2, + parameters).")
+    offload: Offload = Field(
+        "none", description="CPU offload with zero2/zero3 (FSDP2 CPUOffloadPolicy moves parameters, gradients and "
+                            "the optimizer step together, so params and all are the same there).")
+    tensor_parallel: int = Field(1, ge=1, description="Tensor-parallel degree K for Llama-family blocks (DTensor).")
+    pipeline_parallel: int = Field(1, ge=1, description="Pipeline stages S (torch.distributed.pipelining, GPipe; "
+                                                         "batch.grad_accum micro-batches per step).")
+    deepspeed: str | None = Field(None, description="A DeepSpeed JSON config file (yours, as DeepSpeed reads it): "
+                                                  "the DeepSpeed engine runs the step under torchrun; values memfit "
+                                                  "owns may be \"auto\" (memfit/config/deepspeed.py).")
+
+
+class LoggingConfig(_Section):
+    every: int = Field(10, ge=1, description="Write metrics every N steps (and at the first and last).")
+    report_to: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
+        None, description="Where metrics go besides metrics.jsonl: null = tensorboard when installed; [] = nowhere else.")
+    track_memory: bool = Field(True, description="Measure memory by category with memfit's tracker.")
+
+    @field_validator("report_to")
+    @classmethod
+    def _sinks_installed(cls, value: list[str] | None) -> list[str] | None:
+        return _missing_sink_packages(value)
+
+
+class RunConfig(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    method: Method = Field("full", description="full fine-tune, or LoRA / QLoRA adapters.")
+    precision: Precision = Field("fp32", description="fp32; bf16/fp16-mixed (autocast, fp32 master weights); bf16-pure.")
+    data: DataConfig = Field(default_factory=DataConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    quant: QuantConfig = Field(default_factory=QuantConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    batch: BatchConfig = Field(default_factory=BatchConfig)
+    max_steps: int = Field(100, ge=1, description="Optimizer steps to run.")
+    seed: int = Field(0)
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto = cuda when available, else cpu.")
+    checkpoints: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig)
+    budget: str | None = Field(None, description="GPU memory budget for `memfit plan`'s choice before training: null "
+                                                 "(train as configured), auto (the free memory of the device) or a size "
+                                                 "like 24GiB; the planner picks the fastest setup that fits.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out data: loss and perplexity.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    output_dir: str = Field("runs/latest", description="Where weights, config, metrics and memory report go.")
+    overwrite: bool = Field(False, description="Allow writing into an output_dir that already holds a run.")
+    resume: bool = Field(False, description="Continue the run in output_dir from its last good checkpoint "
+                                            "(reuses output_dir; starts from step 0 if it has none).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _qlora_default_quant(cls, value: Any) -> Any:
+        """method: qlora without a quantization scheme means QLoRA's own choice, NF4 with double quantization."""
+        if isinstance(value, dict) and value.get("method") == "qlora":
+            quant = value.get("quant", {})
+            quant = {"scheme": quant} if isinstance(quant, str) else quant
+            if isinstance(quant, dict) and "scheme" not in quant:
+                value = {**value, "quant": {**quant, "scheme": "nf4-dq"}}
+        return value
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model_shorthand(cls, value: Any) -> Any:
+        return {"name": value} if isinstance(value, str) else value
+
+    @field_validator("quant", mode="before")
+    @classmethod
+    def _quant_shorthand(cls, value: Any) -> Any:
+        return {"scheme": value} if isinstance(value, str) else value
 
     @field_validator("budget")
     @classmethod
@@ -239,34 +306,95 @@ class RunConfig(_Section):
                 raise ValueError("must be null, 'auto' or a positive size, e.g. 24GiB")
         return value
 
-    @field_validator("memory_budget", mode="before")
-    @classmethod
-    def _budget_form(cls, value: Any) -> str | None:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = f"{int(value)}B"  # a plain number is bytes
-        if value is not None:
-            if parse_bytes(value) <= 0:  # parse_bytes' own ValueError says how to write a size
-                raise ValueError("must be a positive size, e.g. 512MiB")
-        return value
+    @model_validator(mode="after")
+    def _cross_field_rules(self) -> "RunConfig":
+        """Every rule between fields, on every construction (YAML, command line, planner copies)."""
+        problems = (config_problems(self) + deepspeed_problems(self) + quant_problems(self)
+                    + in_backward_problems(self) + optimizer_problems(self) + eval_problems(self))
+        if problems:
+            raise ValueError(PROBLEMS_SEPARATOR.join(problems))
+        return self
 
-    @property
-    def memory_budget_bytes(self) -> int | None:
-        return None if self.memory_budget is None else parse_bytes(self.memory_budget)
+    def get(self, path: str) -> Any:
+        """The value at a dotted path, e.g. `cfg.get("optim.lr")`."""
+        node: Any = self
+        for part in path.split("."):
+            node = getattr(node, part)
+        return node
 
-    @field_validator("model", mode="before")
-    @classmethod
-    def _model_shorthand(cls, value: Any) -> Any:
-        return {"name": value} if isinstance(value, str) else value
+    def updated(self, changes: dict[str, Any], source: str = "config") -> "RunConfig":
+        """A copy with `changes` ({dotted path: value}) applied, validated like a YAML file: every rule
+        runs again, and a bad combination raises ConfigError listing its problems."""
+        raw = self.model_dump(mode="json")
+        for path, value in changes.items():
+            node = raw
+            *parents, leaf = path.split(".")
+            for part in parents:
+                node = node[part]
+            if leaf not in node:
+                raise ConfigError([f"{path}: unknown field"], source)
+            node[leaf] = value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+        return build_config(raw, source)
 
-    @property
-    def activation_checkpoint_every(self) -> int:
-        """0 = no checkpointing, 1 = every layer, N = every N-th layer."""
-        if self.checkpointing == "none":
-            return 0
-        return 1 if self.checkpointing == "full" else int(self.checkpointing.split("-")[1])
+    def explicit_paths(self) -> set[str]:
+        """Dotted paths of the values this config sets explicitly (in YAML or on the command line)."""
+        def walk(node: BaseModel, prefix: str) -> set[str]:
+            found = set()
+            for name in node.model_fields_set:
+                value = getattr(node, name)
+                found |= walk(value, f"{prefix}{name}.") if isinstance(value, _Section) else {prefix + name}
+            return found
+        return walk(self, "")
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# The flat keys of earlier releases and where each lives now. Accepted for one release, with a warning.
+RENAMED = {
+    "seq_len": "data.seq_len", "packing": "data.packing", "merge": "lora.merge",
+    "quant_backend": "quant.backend", "compute_dtype": "quant.compute_dtype",
+    "checkpointing": "memory.checkpointing", "attention": "memory.attention", "chunked_loss": "memory.chunked_loss",
+    "optimizer_in_backward": "memory.optimizer_in_backward", "activation_offload": "memory.activation_offload",
+    "memory_budget": "memory.limit",
+    "optimizer": "optim.name", "optimizer_backend": "optim.backend", "lr": "optim.lr",
+    "weight_decay": "optim.weight_decay", "lr_schedule": "optim.schedule", "warmup_steps": "optim.warmup_steps",
+    "max_grad_norm": "optim.max_grad_norm", "max_nonfinite_steps": "optim.max_nonfinite_steps",
+    "micro_batch": "batch.micro_batch", "grad_accum": "batch.grad_accum",
+    "save_every": "checkpoints.every", "keep_checkpoints": "checkpoints.keep",
+    "sharding": "distributed.sharding", "offload": "distributed.offload",
+    "tensor_parallel": "distributed.tensor_parallel", "pipeline_parallel": "distributed.pipeline_parallel",
+    "deepspeed": "distributed.deepspeed",
+    "log_every": "logging.every", "report_to": "logging.report_to", "track_memory": "logging.track_memory",
+}
+PROBLEMS_SEPARATOR = "\n"
+SHORTHANDS = {"model": "name", "quant": "scheme"}  # sections that may be given as their one main value
+
+
+def move_flat_keys(raw: dict, source: str = "config") -> dict:
+    """Old flat keys (`lr: 1e-4`) moved to their sections (`optim: {lr: 1e-4}`), with one warning naming
+    each new key; a key given both ways is a problem."""
+    moved, problems, result = [], [], dict(raw)
+    for old, new in RENAMED.items():
+        if old not in result:
+            continue
+        section, leaf = new.split(".")
+        value = result.pop(old)
+        target = result.get(section)
+        target = {"scheme": target} if section == "quant" and isinstance(target, str) else target
+        target = dict(target) if isinstance(target, dict) else {}
+        if leaf in target:
+            problems.append(f"{old}: also given as {new}; set only {new}")
+            continue
+        target[leaf] = value
+        result[section] = target
+        moved.append(f"{old} -> {new}")
+    if problems:
+        raise ConfigError(problems, source)
+    if moved:
+        log.warning("%s: flat keys are deprecated and will stop working in the next release; use the sectioned "
+                    "keys: %s", source, ", ".join(moved))
+    return result
 
 
 def _describe(error: dict) -> str:
@@ -289,8 +417,9 @@ def _unknown_field_hint(path: tuple, model: type[BaseModel]) -> str:
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return ""
         model = annotation
-    close = difflib.get_close_matches(str(path[-1]), list(model.model_fields), n=1)
-    return f" (did you mean '{close[0]}'?)" if close else ""
+    known = list(model.model_fields) + (list(RENAMED) if model is RunConfig else [])
+    close = difflib.get_close_matches(str(path[-1]), known, n=1)
+    return f" (did you mean '{RENAMED.get(close[0], close[0]) if model is RunConfig else close[0]}'?)" if close else ""
 
 
 def parse_value(text: str) -> Any:
@@ -307,13 +436,13 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     for item in overrides:
         key, sep, value = item.partition("=")
         if not sep or not key:
-            problems.append(f"override {item!r}: expected key=value, e.g. micro_batch=2")
+            problems.append(f"override {item!r}: expected key=value, e.g. batch.micro_batch=2")
             continue
         node = result
         *parents, leaf = key.split(".")
         for part in parents:
-            if isinstance(node.get(part), str) and part == "model":
-                node[part] = {"name": node[part]}
+            if isinstance(node.get(part), str) and node is result and part in SHORTHANDS:
+                node[part] = {SHORTHANDS[part]: node[part]}  # model: NAME, quant: SCHEME
             node = node.setdefault(part, {})
             if not isinstance(node, dict):
                 problems.append(f"override {item!r}: '{part}' is not a section")
@@ -341,9 +470,9 @@ def eval_problems(cfg: RunConfig) -> list[str]:
     if cfg.eval.fraction and (cfg.data.streaming or cfg.data.prepared_dir):
         problems.append("eval.fraction holds records out of data loaded whole; with data.streaming or "
                         "data.prepared_dir set eval.data to a held-out file instead")
-    if cfg.eval.enabled and cfg.pipeline_parallel > 1:
+    if cfg.eval.enabled and cfg.distributed.pipeline_parallel > 1:
         problems.append("eval with pipeline_parallel > 1 is not supported: the pipeline schedule runs training "
-                        "steps only; set pipeline_parallel: 1 or leave eval off")
+                        "steps only; set distributed.pipeline_parallel: 1 or leave eval off")
     return problems
 
 
@@ -352,20 +481,18 @@ def build_config(raw: dict, source: str = "config") -> RunConfig:
     if not isinstance(raw, dict):
         raise ConfigError([f"top level must be a mapping of keys to values, got {type(raw).__name__}"], source)
     try:
-        cfg = RunConfig.model_validate(raw)
+        return RunConfig.model_validate(move_flat_keys(raw, source))
     except ValidationError as exc:
         problems = []
         for err in exc.errors():
+            if not err["loc"] and err["type"] == "value_error":  # the cross-field rules, one per line
+                problems += err["msg"].removeprefix("Value error, ").split(PROBLEMS_SEPARATOR)
+                continue
             text = _describe(err)
             if err["type"] == "extra_forbidden":
                 text += _unknown_field_hint(err["loc"], RunConfig)
             problems.append(text)
         raise ConfigError(problems, source) from None
-    problems = (config_problems(cfg) + deepspeed_problems(cfg) + quant_problems(cfg) + in_backward_problems(cfg)
-                + optimizer_problems(cfg) + eval_problems(cfg))
-    if problems:
-        raise ConfigError(problems, source)
-    return cfg
 
 
 def read_yaml(path: str | Path) -> dict:
@@ -381,7 +508,18 @@ def read_yaml(path: str | Path) -> dict:
     return raw
 
 
+def _renamed_override(item: str) -> str:
+    key, sep, value = item.partition("=")
+    return f"{RENAMED.get(key, key)}{sep}{value}"
+
+
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> RunConfig:
     """YAML file (optional) + dotted overrides -> validated RunConfig."""
-    raw = read_yaml(path) if path else {}
-    return build_config(apply_overrides(raw, list(overrides)), str(path) if path else "config")
+    source = str(path) if path else "config"
+    raw = move_flat_keys(read_yaml(path), source) if path else {}
+    moved = [item for item in overrides if item.partition("=")[0] in RENAMED]
+    if moved:  # a flat override replaces the sectioned value of the YAML, as its new key would
+        log.warning("command line: flat keys are deprecated and will stop working in the next release; use %s",
+                    ", ".join(RENAMED[item.partition("=")[0]] for item in moved))
+        overrides = [_renamed_override(item) for item in overrides]
+    return build_config(apply_overrides(raw, list(overrides)), source)

@@ -39,28 +39,28 @@ def read_json(path: str) -> tuple[dict | None, list[str]]:
     """(the JSON object, problems); problems say which file and where."""
     file = Path(path)
     if not file.is_file():
-        return None, [f"deepspeed: file not found: {path} (relative paths are from the current directory)"]
+        return None, [f"distributed.deepspeed: file not found: {path} (relative paths are from the current directory)"]
     try:
         value = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
-        return None, [f"deepspeed: {path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"]
+        return None, [f"distributed.deepspeed: {path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"]
     except (OSError, UnicodeDecodeError) as exc:
-        return None, [f"deepspeed: cannot read {path}: {exc}"]
+        return None, [f"distributed.deepspeed: cannot read {path}: {exc}"]
     if not isinstance(value, dict):
-        return None, [f"deepspeed: {path} must hold a JSON object ({{...}}), not {type(value).__name__}"]
+        return None, [f"distributed.deepspeed: {path} must hold a JSON object ({{...}}), not {type(value).__name__}"]
     return value, []
 
 
 def _owned(cfg, ds: dict) -> dict[tuple[str, ...], tuple[object, str]]:
     """JSON path -> (the value the RunConfig gives it, which RunConfig setting that is)."""
-    owned = {("train_micro_batch_size_per_gpu",): (cfg.micro_batch, f"micro_batch: {cfg.micro_batch}"),
-             ("gradient_accumulation_steps",): (cfg.grad_accum, f"grad_accum: {cfg.grad_accum}"),
-             ("gradient_clipping",): (cfg.max_grad_norm or 0.0, f"max_grad_norm: {cfg.max_grad_norm}"),
+    owned = {("train_micro_batch_size_per_gpu",): (cfg.batch.micro_batch, f"batch.micro_batch: {cfg.batch.micro_batch}"),
+             ("gradient_accumulation_steps",): (cfg.batch.grad_accum, f"batch.grad_accum: {cfg.batch.grad_accum}"),
+             ("gradient_clipping",): (cfg.optim.max_grad_norm or 0.0, f"optim.max_grad_norm: {cfg.optim.max_grad_norm}"),
              ("bf16", "enabled"): (cfg.precision == "bf16-mixed", f"precision: {cfg.precision}"),
              ("fp16", "enabled"): (cfg.precision == "fp16-mixed", f"precision: {cfg.precision}")}
     if isinstance(ds.get("optimizer"), dict):
-        owned[("optimizer", "params", "lr")] = (cfg.lr, f"lr: {cfg.lr}")
-        owned[("optimizer", "params", "weight_decay")] = (cfg.weight_decay, f"weight_decay: {cfg.weight_decay}")
+        owned[("optimizer", "params", "lr")] = (cfg.optim.lr, f"optim.lr: {cfg.optim.lr}")
+        owned[("optimizer", "params", "weight_decay")] = (cfg.optim.weight_decay, f"optim.weight_decay: {cfg.optim.weight_decay}")
     return owned
 
 
@@ -95,31 +95,32 @@ def _auto_paths(tree, prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
 def _conflicting_fields(cfg) -> list[str]:
     """RunConfig settings DeepSpeed takes over or cannot run with: field, why, what to do."""
     problems = []
-    if cfg.sharding != "none":
-        problems.append(f"sharding: {cfg.sharding} with deepspeed: DeepSpeed shards by its own "
-                        "zero_optimization.stage; set sharding: none")
-    if cfg.offload != "none":
-        problems.append(f"offload: {cfg.offload} with deepspeed: use zero_optimization.offload_optimizer / "
-                        "offload_param in the DeepSpeed JSON; set offload: none")
+    if cfg.distributed.sharding != "none":
+        problems.append(f"distributed.sharding: {cfg.distributed.sharding} with deepspeed: DeepSpeed shards by its own "
+                        "zero_optimization.stage; set distributed.sharding: none")
+    if cfg.distributed.offload != "none":
+        problems.append(f"distributed.offload: {cfg.distributed.offload} with deepspeed: use zero_optimization.offload_optimizer / "
+                        "offload_param in the DeepSpeed JSON; set distributed.offload: none")
     for name in ("tensor_parallel", "pipeline_parallel"):
-        if getattr(cfg, name) > 1:
-            problems.append(f"{name}: {getattr(cfg, name)} with deepspeed is not supported: set {name}: 1")
-    if cfg.optimizer_in_backward:
-        problems.append("optimizer_in_backward: true with deepspeed: the DeepSpeed engine owns the optimizer step; "
-                        "set optimizer_in_backward: false")
-    if cfg.activation_offload:
-        problems.append("activation_offload: true with deepspeed is not supported: set activation_offload: false "
-                        "(checkpointing: full saves activation memory instead)")
-    if cfg.chunked_loss:
-        problems.append("chunked_loss: true with deepspeed is not supported (it calls the decoder and lm_head "
-                        "around the engine): set chunked_loss: false")
-    if cfg.micro_batch == "auto" or cfg.budget is not None or cfg.memory_budget is not None:
-        which = ("micro_batch: auto" if cfg.micro_batch == "auto" else
-                 f"budget: {cfg.budget}" if cfg.budget is not None else f"memory_budget: {cfg.memory_budget}")
+        if getattr(cfg.distributed, name) > 1:
+            problems.append(f"distributed.{name}: {getattr(cfg.distributed, name)} with deepspeed is not supported: "
+                            f"set distributed.{name}: 1")
+    if cfg.memory.optimizer_in_backward:
+        problems.append("memory.optimizer_in_backward: true with deepspeed: the DeepSpeed engine owns the optimizer step; "
+                        "set memory.optimizer_in_backward: false")
+    if cfg.memory.activation_offload:
+        problems.append("memory.activation_offload: true with deepspeed is not supported: set memory.activation_offload: false "
+                        "(memory.checkpointing: full saves activation memory instead)")
+    if cfg.memory.chunked_loss:
+        problems.append("memory.chunked_loss: true with deepspeed is not supported (it calls the decoder and lm_head "
+                        "around the engine): set memory.chunked_loss: false")
+    if cfg.batch.micro_batch == "auto" or cfg.budget is not None or cfg.memory.limit is not None:
+        which = ("batch.micro_batch: auto" if cfg.batch.micro_batch == "auto" else
+                 f"budget: {cfg.budget}" if cfg.budget is not None else f"memory.limit: {cfg.memory.limit}")
         problems.append(f"{which} with deepspeed: the planner and out-of-memory recovery do not model the DeepSpeed "
                         "engine; give micro_batch as a number and leave budget / memory_budget null")
-    if cfg.method == "qlora" or cfg.quant != "none":
-        problems.append(f"method: {cfg.method} with quant: {cfg.quant} and deepspeed is not supported: quantized "
+    if cfg.method == "qlora" or cfg.quant.scheme != "none":
+        problems.append(f"method: {cfg.method} with quant: {cfg.quant.scheme} and deepspeed is not supported: quantized "
                         "base weights cannot be flattened into ZeRO partitions; use method: lora or full")
     if cfg.precision == "bf16-pure":
         problems.append("precision: bf16-pure with deepspeed: DeepSpeed's bf16 mode keeps fp32 master weights; "
@@ -129,13 +130,13 @@ def _conflicting_fields(cfg) -> list[str]:
 
 def deepspeed_problems(cfg) -> list[str]:
     """Everything wrong with `deepspeed:` and its JSON for this RunConfig, all at once (load time)."""
-    if not cfg.deepspeed:
+    if not cfg.distributed.deepspeed:
         return []
     problems = _conflicting_fields(cfg)
-    ds, unreadable = read_json(cfg.deepspeed)
+    ds, unreadable = read_json(cfg.distributed.deepspeed)
     if ds is None:
         return problems + unreadable
-    where = f"deepspeed: {cfg.deepspeed}:"
+    where = f"distributed.deepspeed: {cfg.distributed.deepspeed}:"
     owned = _owned(cfg, ds)
     for path, (value, setting) in owned.items():
         found = json_path(ds, path)
@@ -154,34 +155,34 @@ def deepspeed_problems(cfg) -> list[str]:
         problems.append(f"{where} zero_optimization.stage 3 with method: lora is not supported: rank 0 writes the "
                         "frozen base next to the adapter, which ZeRO-3 has partitioned; use stage 1 or 2 for LoRA")
     has_optimizer = isinstance(ds.get("optimizer"), dict)
-    if has_optimizer and cfg.optimizer != "adamw":
-        problems.append(f"{where} has an optimizer block and optimizer: {cfg.optimizer} is set too; remove one "
+    if has_optimizer and cfg.optim.name != "adamw":
+        problems.append(f"{where} has an optimizer block and optim.name: {cfg.optim.name} is set too; remove one "
                         "(the JSON's optimizer is used when present)")
-    if not has_optimizer and cfg.optimizer not in CLIENT_OPTIMIZERS:
-        problems.append(f"optimizer: {cfg.optimizer} with deepspeed: ZeRO partitions plain torch optimizers only "
-                        f"({', '.join(CLIENT_OPTIMIZERS)}); choose one, or put an optimizer block in {cfg.deepspeed}")
+    if not has_optimizer and cfg.optim.name not in CLIENT_OPTIMIZERS:
+        problems.append(f"optim.name: {cfg.optim.name} with deepspeed: ZeRO partitions plain torch optimizers only "
+                        f"({', '.join(CLIENT_OPTIMIZERS)}); choose one, or put an optimizer block in {cfg.distributed.deepspeed}")
     return problems
 
 
 def resolved_config(cfg, world_size: int, hidden_size: int | None = None) -> dict:
     """The user's JSON with every value memfit owns filled in (launch time: ranks and model known)."""
-    ds, problems = read_json(cfg.deepspeed)
+    ds, problems = read_json(cfg.distributed.deepspeed)
     if ds is None:
         raise MemfitError(problems[0])
     for path, (value, _) in _owned(cfg, ds).items():
         if json_path(ds, path) in (None, AUTO) and not (path[-1] == "enabled" and value is False and path[0] not in ds):
             _set(ds, path, value)
-    train_batch = cfg.micro_batch * cfg.grad_accum * world_size
+    train_batch = cfg.batch.micro_batch * cfg.batch.grad_accum * world_size
     given = ds.get("train_batch_size")
     if given not in (None, AUTO) and given != train_batch:
-        raise MemfitError(f"deepspeed: {cfg.deepspeed}: train_batch_size is {given} but micro_batch {cfg.micro_batch} "
-                          f"x grad_accum {cfg.grad_accum} x {world_size} ranks = {train_batch}; "
+        raise MemfitError(f"distributed.deepspeed: {cfg.distributed.deepspeed}: train_batch_size is {given} but micro_batch {cfg.batch.micro_batch} "
+                          f"x grad_accum {cfg.batch.grad_accum} x {world_size} ranks = {train_batch}; "
                           'make them agree or write "auto"')
     ds["train_batch_size"] = train_batch
     for path, rule in _HIDDEN_SIZE_AUTO.items():
         if json_path(ds, path) == AUTO:
             if hidden_size is None:
-                raise MemfitError(f'deepspeed: {cfg.deepspeed}: {".".join(path)} is "auto" but the model has no '
+                raise MemfitError(f'distributed.deepspeed: {cfg.distributed.deepspeed}: {".".join(path)} is "auto" but the model has no '
                                   "hidden_size to fill it from; write a number")
             _set(ds, path, rule(hidden_size))
     return ds

@@ -25,35 +25,35 @@ class DistributedSetupError(MemfitError):
 def config_problems(cfg) -> list[str]:
     """Field combinations no engine here can run. Each message names the fields and a fix."""
     problems = []
-    tp, pp, sharding, offload = cfg.tensor_parallel, cfg.pipeline_parallel, cfg.sharding, cfg.offload
+    tp, pp, sharding, offload = cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel, cfg.distributed.sharding, cfg.distributed.offload
     if offload != "none" and sharding not in FSDP2_STAGES:
-        problems.append(f"offload: {offload} needs sharding: zero2 or zero3 (FSDP2's CPUOffloadPolicy); "
+        problems.append(f"distributed.offload: {offload} needs distributed.sharding: zero2 or zero3 (FSDP2's CPUOffloadPolicy); "
                         f"sharding is {sharding}")
     if offload == "optimizer":
-        problems.append("offload: optimizer alone is not offered by FSDP2 (its CPUOffloadPolicy moves parameters, "
-                        "gradients and the optimizer step together): use offload: all, or DeepSpeed's "
+        problems.append("distributed.offload: optimizer alone is not offered by FSDP2 (its CPUOffloadPolicy moves parameters, "
+                        "gradients and the optimizer step together): use distributed.offload: all, or DeepSpeed's "
                         "offload_optimizer through a DeepSpeed config")
     if tp > 1 and pp > 1:
         problems.append("tensor_parallel and pipeline_parallel together (2D/3D parallel) are not supported yet: "
                         "set one of them to 1")
     if (tp > 1 or pp > 1) and sharding != "none":
         which = "tensor_parallel" if tp > 1 else "pipeline_parallel"
-        problems.append(f"{which} > 1 with sharding: {sharding} is not supported yet: use sharding: none "
+        problems.append(f"{which} > 1 with distributed.sharding: {sharding} is not supported yet: use distributed.sharding: none "
                         f"(every rank is one tensor-parallel shard or pipeline stage)")
     if (tp > 1 or pp > 1) and cfg.method != "full":
         problems.append(f"method: {cfg.method} with tensor/pipeline parallel is not supported: use method: full, "
-                        "or sharding: ddp/zero* for adapters")
+                        "or distributed.sharding: ddp/zero* for adapters")
     if cfg.method == "qlora" and sharding in FSDP2_STAGES:
         problems.append("method: qlora with FSDP2 (zero2/zero3) is not supported: 4-bit weights cannot be "
-                        "sharded here; use sharding: ddp")
+                        "sharded here; use distributed.sharding: ddp")
     if cfg.precision == "fp16-mixed" and (sharding in FSDP2_STAGES or tp > 1 or pp > 1):
         problems.append("precision: fp16-mixed's loss scaler does not handle sharded (DTensor) gradients here: "
                         "use bf16-mixed or bf16-pure")
-    if cfg.optimizer not in ("adamw", "sgd", "lion", "adafactor") and (sharding in FSDP2_STAGES or tp > 1):
-        problems.append(f"optimizer: {cfg.optimizer} keeps quantized states that cannot follow sharded (DTensor) "
-                        "parameters: use optimizer: adamw with zero2/zero3 or tensor_parallel")
-    if pp > 1 and cfg.max_grad_norm is not None:
-        problems.append("pipeline_parallel > 1 needs max_grad_norm: null (gradient clipping across pipeline "
+    if cfg.optim.name not in ("adamw", "sgd", "lion", "adafactor") and (sharding in FSDP2_STAGES or tp > 1):
+        problems.append(f"optim.name: {cfg.optim.name} keeps quantized states that cannot follow sharded (DTensor) "
+                        "parameters: use optim.name: adamw with zero2/zero3 or tensor_parallel")
+    if pp > 1 and cfg.optim.max_grad_norm is not None:
+        problems.append("pipeline_parallel > 1 needs optim.max_grad_norm: null (gradient clipping across pipeline "
                         "stages is not implemented)")
     return problems
 
@@ -61,15 +61,15 @@ def config_problems(cfg) -> list[str]:
 def launch_problems(cfg, world_size: int, model_config=None) -> list[str]:
     """Problems that need torchrun's world size and the model's shape."""
     problems = []
-    tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
+    tp, pp = cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel
     if tp > 1 and world_size != tp:
-        problems.append(f"tensor_parallel: {tp} needs exactly {tp} processes (torchrun --nproc-per-node {tp}); "
+        problems.append(f"distributed.tensor_parallel: {tp} needs exactly {tp} processes (torchrun --nproc-per-node {tp}); "
                         f"got {world_size}")
     if pp > 1 and world_size != pp:
-        problems.append(f"pipeline_parallel: {pp} needs exactly {pp} processes (torchrun --nproc-per-node {pp}); "
+        problems.append(f"distributed.pipeline_parallel: {pp} needs exactly {pp} processes (torchrun --nproc-per-node {pp}); "
                         f"got {world_size}")
-    if world_size > 1 and cfg.sharding == "none" and tp == 1 and pp == 1 and not cfg.deepspeed:
-        problems.append(f"{world_size} processes were started but sharding is none: set sharding: ddp "
+    if world_size > 1 and cfg.distributed.sharding == "none" and tp == 1 and pp == 1 and not cfg.distributed.deepspeed:
+        problems.append(f"{world_size} processes were started but sharding is none: set distributed.sharding: ddp "
                         "(or zero1/zero2/zero3), or start one process")
     if model_config is None:
         return problems
@@ -81,11 +81,11 @@ def launch_problems(cfg, world_size: int, model_config=None) -> list[str]:
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
             value = getattr(model_config, name, None)
             if value is not None and value % tp:
-                problems.append(f"tensor_parallel: {tp} must divide the model's {name} ({value})")
+                problems.append(f"distributed.tensor_parallel: {tp} must divide the model's {name} ({value})")
     if pp > 1:
         layers = getattr(model_config, "num_hidden_layers", 0)
         if layers < pp:
-            problems.append(f"pipeline_parallel: {pp} needs at least {pp} layers; the model has {layers}")
+            problems.append(f"distributed.pipeline_parallel: {pp} needs at least {pp} layers; the model has {layers}")
         if model_type not in LLAMA_FAMILY:
             problems.append(f"pipeline_parallel needs a Llama-family model ({', '.join(LLAMA_FAMILY)}); "
                             f"model is {model_type}")

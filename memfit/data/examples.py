@@ -70,7 +70,7 @@ def encode_chunk(items: list[tuple[str, object]], spec: EncodeSpec) -> ChunkResu
         cursor += len(segments)
         example = _assemble(pieces, [t for _, t in segments], templated, spec)
         if example is None:
-            problems.append((NO_RESPONSE, f"{where}: no response token left within seq_len={spec.seq_len}"))
+            problems.append((NO_RESPONSE, f"{where}: no response token left within data.seq_len={spec.seq_len}"))
         else:
             examples.append(example)
     return ChunkResult(examples, problems, len(items))

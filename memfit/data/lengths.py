@@ -1,6 +1,6 @@
 """How long the run's sequences really are: tokens per sequence and per padded micro-batch.
 
-A plan at cfg.seq_len is the worst case; real batches are padded only to their longest example.
+A plan at cfg.data.seq_len is the worst case; real batches are padded only to their longest example.
 `length_profile` tokenizes a sample of the configured data exactly as training does (same
 tokenizer, format, truncation and packing) and batches it in the trainer's own order, so a plan
 can also be made at the length the run will actually see.
@@ -46,22 +46,22 @@ def percentile(values: list[int], q: float) -> int:
 def length_profile(cfg, tokenizer=None, limit: int = 2000, micro_batch: int | None = None) -> LengthProfile:
     """Lengths of the first `limit` records of cfg.data, tokenized as the run would tokenize them.
 
-    `micro_batch` defaults to cfg.micro_batch (needed when that is `auto`). Batches are drawn in the
+    `micro_batch` defaults to cfg.batch.micro_batch (needed when that is `auto`). Batches are drawn in the
     order of the trainer's first epoch (its seeded shuffle, or group_by_length's sorted windows) over
     the sample, so the padded lengths are those the run sees, up to the sample being smaller.
     """
-    micro_batch = micro_batch or cfg.micro_batch
+    micro_batch = micro_batch or cfg.batch.micro_batch
     if micro_batch == "auto":
         raise MemfitError("length_profile: micro_batch is auto; pass the micro_batch to profile batches of")
     tokenizer = tokenizer or load_tokenizer(cfg.model)
     data = cfg.data.model_copy(update={"limit": min(limit, cfg.data.limit or limit)})
-    examples = load_examples(data, tokenizer, cfg.seq_len)
-    rows = list(pack_examples(examples, cfg.seq_len)) if cfg.packing else examples  # as load_examples packs
+    examples = load_examples(data, tokenizer, cfg.data.seq_len)
+    rows = list(pack_examples(examples, cfg.data.seq_len)) if cfg.data.packing else examples  # as load_examples packs
     lengths = [len(r["input_ids"]) for r in rows]
     stream = BatchStream(rows, micro_batch, tokenizer.pad_token_id, cfg.seed,
                          group_by_length=cfg.data.group_by_length)
     order = stream._order()
     padded = [max(lengths[i] for i in order[s:s + micro_batch]) for s in range(0, len(order), micro_batch)]
-    return LengthProfile(cfg.data.path, len(examples), cfg.seq_len, cfg.packing, micro_batch,
+    return LengthProfile(cfg.data.path, len(examples), cfg.data.seq_len, cfg.data.packing, micro_batch,
                          percentile(lengths, 0.5), percentile(lengths, 0.9), max(lengths),
                          percentile(padded, 0.5), percentile(padded, 0.9))

@@ -121,8 +121,8 @@ def build_batch_stream(cfg, tokenizer, device: torch.device, rank: int = 0, worl
     else:
         fraction = cfg.eval.fraction
         keep = (lambda example: not is_held_out(example, fraction)) if fraction else None
-        examples = load_examples(data, tokenizer, cfg.seq_len, cfg.packing, keep)
-    return BatchStream(examples, cfg.micro_batch, tokenizer.pad_token_id, cfg.seed, data.num_workers, pin,
+        examples = load_examples(data, tokenizer, cfg.data.seq_len, cfg.data.packing, keep)
+    return BatchStream(examples, cfg.batch.micro_batch, tokenizer.pad_token_id, cfg.seed, data.num_workers, pin,
                        data.prefetch_factor, data.group_by_length, rank, world)
 
 
@@ -133,13 +133,13 @@ def eval_batches(cfg, tokenizer) -> list[dict[str, torch.Tensor]]:
     if spec.data is not None:
         examples = load_examples(cfg.data.model_copy(update={"path": spec.data, "limit": None, "split": "validation"
                                                              if is_hub_name(spec.data) else cfg.data.split}),
-                                 tokenizer, cfg.seq_len)
+                                 tokenizer, cfg.data.seq_len)
     else:
         try:
-            examples = load_examples(cfg.data, tokenizer, cfg.seq_len, keep=lambda e: is_held_out(e, spec.fraction))
+            examples = load_examples(cfg.data, tokenizer, cfg.data.seq_len, keep=lambda e: is_held_out(e, spec.fraction))
         except DataError:
             raise DataError(f"eval.fraction {spec.fraction}: no example of {cfg.data.path} falls in the held-out "
                             "share; raise eval.fraction or set eval.data") from None
-    rows = spec.micro_batch or cfg.micro_batch
+    rows = spec.micro_batch or cfg.batch.micro_batch
     batches = [collate(chunk, tokenizer.pad_token_id) for chunk in chunked(examples, rows)]
     return batches[: spec.max_batches] if spec.max_batches else batches

@@ -70,7 +70,7 @@ class PrepareReport:
 
 
 def _meta_expectations(cfg, tokenizer_name: str) -> dict:
-    return {"seq_len": cfg.seq_len, "packing": cfg.packing, "tokenizer": tokenizer_name,
+    return {"seq_len": cfg.data.seq_len, "packing": cfg.data.packing, "tokenizer": tokenizer_name,
             "format": cfg.data.format, "train_on_prompt": cfg.data.train_on_prompt, "fields": dict(cfg.data.fields)}
 
 
@@ -144,10 +144,10 @@ def prepare_dataset(cfg, tokenizer, out_dir: str | Path, overwrite: bool = False
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     started = time.perf_counter()
-    spec = EncodeSpec.from_config(cfg.data, tokenizer, cfg.seq_len)
+    spec = EncodeSpec.from_config(cfg.data, tokenizer, cfg.data.seq_len)
     report, problems = PrepareReport(str(out), workers=cfg.data.num_workers), ProblemLog(cfg.data.skip_bad_records)
     example_lengths = array("i")
-    packed = cfg.packing
+    packed = cfg.data.packing
     list_type = pa.list_(pa.int32())
     names = ["input_ids", "labels"] + (["doc_lengths"] if packed else [])
     schema = pa.schema([(name, list_type) for name in names])
@@ -167,7 +167,7 @@ def prepare_dataset(cfg, tokenizer, out_dir: str | Path, overwrite: bool = False
                 yield example
 
     try:
-        rows = pack_examples(examples(), cfg.seq_len) if packed else examples()
+        rows = pack_examples(examples(), cfg.data.seq_len) if packed else examples()
         with pa.OSFile(str(partial / DATA_FILE), "wb") as sink, pa.ipc.new_file(sink, schema) as writer:
             for block in _blocks(rows, WRITE_TOKENS):
                 writer.write_batch(pa.record_batch([pa.array([r[n] for r in block], list_type) for n in names],

@@ -43,12 +43,12 @@ def data_ram_breakdown(cfg, cuda: bool = False) -> dict[str, int]:
     token_bytes = PY_BYTES_PER_TOKEN
     streaming = data.streaming and not data.prepared_dir
     in_memory = not data.streaming and not data.prepared_dir
-    batch_bytes = cfg.micro_batch * cfg.seq_len * BATCH_TENSORS * 8
+    batch_bytes = cfg.batch.micro_batch * cfg.data.seq_len * BATCH_TENSORS * 8
     batches = (data.num_workers * data.prefetch_factor if data.num_workers else 0) + 1
-    chunk_bytes = CHUNK_RECORDS * cfg.seq_len * token_bytes
+    chunk_bytes = CHUNK_RECORDS * cfg.data.seq_len * token_bytes
     return {
         "dataset": _source_bytes(data.path) * IN_MEMORY_BYTES_PER_FILE_BYTE if in_memory else 0,
-        "shuffle_buffer": data.shuffle_buffer * cfg.seq_len * token_bytes if streaming else 0,
+        "shuffle_buffer": data.shuffle_buffer * cfg.data.seq_len * token_bytes if streaming else 0,
         "chunks_in_flight": (max(data.num_workers, 1) * data.prefetch_factor * chunk_bytes) if streaming else 0,
         "batches_in_flight": batches * batch_bytes * (2 if cuda else 1),
         "worker_processes": data.num_workers * WORKER_PROCESS_BYTES,

@@ -72,9 +72,9 @@ class StreamingBatches:
 
     def __init__(self, cfg, tokenizer, pin_memory: bool = False, rank: int = 0, world: int = 1):
         data = cfg.data
-        self.spec = EncodeSpec.from_config(data, tokenizer, cfg.seq_len)
-        self.data, self.seq_len, self.packing = data, cfg.seq_len, cfg.packing
-        self.micro_batch, self.pad_id, self.seed = cfg.micro_batch, tokenizer.pad_token_id, cfg.seed
+        self.spec = EncodeSpec.from_config(data, tokenizer, cfg.data.seq_len)
+        self.data, self.seq_len, self.packing = data, cfg.data.seq_len, cfg.data.packing
+        self.micro_batch, self.pad_id, self.seed = cfg.batch.micro_batch, tokenizer.pad_token_id, cfg.seed
         self.pin_memory, self.rank, self.world = pin_memory, rank, world
         self.epoch, self.position = 0, 0
         self.problems = ProblemLog(data.skip_bad_records)

@@ -57,7 +57,7 @@ def initialize(model: torch.nn.Module, optimizer_factory, cfg, ctx, device: torc
     if cfg.precision == "fp16-mixed" and device.type != "cuda":  # DeepSpeed: "Type fp16 is not supported"
         raise MemfitError("precision: fp16-mixed with deepspeed needs CUDA (DeepSpeed's CPU accelerator has no "
                           "fp16): use precision: bf16-mixed or fp32 on the CPU")
-    deepspeed = require("deepspeed", "deepspeed: (training from a DeepSpeed JSON config)")
+    deepspeed = require("deepspeed", "distributed.deepspeed: (training from a DeepSpeed JSON config)")
     import torch.distributed as dist
 
     if not dist.is_initialized():  # one process without torchrun: DeepSpeed still wants a process group
@@ -80,9 +80,9 @@ def initialize(model: torch.nn.Module, optimizer_factory, cfg, ctx, device: torc
 
 def zero_stage(cfg) -> int | None:
     """zero_optimization.stage in the run's DeepSpeed JSON (None: no deepspeed, unreadable or not set)."""
-    if not cfg.deepspeed:
+    if not cfg.distributed.deepspeed:
         return None
-    ds, _ = read_json(cfg.deepspeed)
+    ds, _ = read_json(cfg.distributed.deepspeed)
     stage = json_path(ds, ("zero_optimization", "stage")) if ds is not None else None
     return stage if isinstance(stage, int) else None
 
@@ -90,7 +90,7 @@ def zero_stage(cfg) -> int | None:
 def loads_from_rank0(cfg, ctx) -> bool:
     """ZeRO-3 on several ranks: only rank 0 builds the real model; the others build it on `meta`
     and get their partitions from rank 0 in `partition_from_rank0` (see the module docstring)."""
-    return bool(cfg.deepspeed) and ctx.enabled and ctx.world_size > 1 and zero_stage(cfg) == 3
+    return bool(cfg.distributed.deepspeed) and ctx.enabled and ctx.world_size > 1 and zero_stage(cfg) == 3
 
 
 def _engine_dtype(config: dict) -> torch.dtype | None:

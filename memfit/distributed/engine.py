@@ -48,7 +48,7 @@ def make_engine(cfg: RunConfig) -> "Engine":
     launch the same way before any collective, memfit/config/distributed.py)."""
     ctx = launch.init_distributed(cfg, resolve_device(cfg.device), lambda: load_model_config(cfg.model)[0])
     device = launch.local_device(resolve_device(cfg.device), ctx)
-    kind = DeepSpeed if cfg.deepspeed else TorchDistributed if ctx.enabled else Engine
+    kind = DeepSpeed if cfg.distributed.deepspeed else TorchDistributed if ctx.enabled else Engine
     return kind(cfg, ctx, device)
 
 
@@ -93,7 +93,7 @@ class Engine:
         return resume_state(self.cfg.resume, out, model, optimizer, scheduler, scaler, stream)
 
     def save(self, out: Path, state: TrainerState, model, optimizer, scheduler, scaler) -> Path:
-        return save_checkpoint(out, state, model, optimizer, scheduler, scaler, self.cfg.keep_checkpoints)
+        return save_checkpoint(out, state, model, optimizer, scheduler, scaler, self.cfg.checkpoints.keep)
 
     def save_final(self, model, tokenizer, out: Path) -> None:
         """Weights as safetensors (adapters in PEFT's format), plus the tokenizer."""
@@ -137,7 +137,7 @@ class TorchDistributed(Engine):
         trainer = {"step": state.step, "data": state.data, "losses": list(state.losses),
                    "nonfinite_total": state.nonfinite_total,
                    "scheduler": scheduler.state_dict() if scheduler is not None else None}
-        return sharded.save_sharded(out, state.step, trainer, model, optimizer, self.ctx, self.cfg.keep_checkpoints)
+        return sharded.save_sharded(out, state.step, trainer, model, optimizer, self.ctx, self.cfg.checkpoints.keep)
 
     def save_final(self, model, tokenizer, out: Path) -> None:
         sharded.save_final(model, tokenizer, out, self.ctx)  # gathered to rank 0, which writes ordinary files
@@ -176,7 +176,7 @@ class DeepSpeed(TorchDistributed):
         return deepspeed_engine.resume(self.cfg.resume, out, model, scheduler, stream)
 
     def save(self, out: Path, state: TrainerState, model, optimizer, scheduler, scaler) -> Path:
-        return deepspeed_engine.save_deepspeed(out, state, model, scheduler, self.cfg.keep_checkpoints)
+        return deepspeed_engine.save_deepspeed(out, state, model, scheduler, self.cfg.checkpoints.keep)
 
     def save_final(self, model, tokenizer, out: Path) -> None:
         deepspeed_engine.save_final(model, tokenizer, out)

@@ -54,7 +54,7 @@ def init_distributed(cfg, device: torch.device, model_config=None) -> DistContex
 
     `model_config`: the model's config, or a function returning it (read only when distributed)."""
     world = world_size_from_env()
-    if world == 1 and cfg.sharding == "none":
+    if world == 1 and cfg.distributed.sharding == "none":
         check_launch(cfg, world)
         return SINGLE
     if callable(model_config):
@@ -71,7 +71,7 @@ def init_distributed(cfg, device: torch.device, model_config=None) -> DistContex
             os.environ.setdefault(key, value)  # one process asked for sharding without torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     backend = dist.get_backend()
-    model_parallel = cfg.tensor_parallel > 1 or cfg.pipeline_parallel > 1
+    model_parallel = cfg.distributed.tensor_parallel > 1 or cfg.distributed.pipeline_parallel > 1
     dp_rank, dp_size = (0, 1) if model_parallel else (rank, world)
     return DistContext(rank, world, local_rank, dp_rank, dp_size, enabled=True, backend=backend, owns_group=owns_group)
 

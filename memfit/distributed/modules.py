@@ -13,7 +13,7 @@ def decoder_blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     names = set(getattr(base, "_no_split_modules", None) or [])
     blocks = [m for m in model.modules() if type(m).__name__ in names]
     if not blocks:
-        raise MemfitError(f"sharding: found no transformer blocks in {type(base).__name__} "
+        raise MemfitError(f"distributed.sharding: found no transformer blocks in {type(base).__name__} "
                           "(it declares no _no_split_modules); FSDP2 needs them to shard block by block")
     return blocks
 

@@ -74,7 +74,7 @@ class PipelineModel(torch.nn.Module):
         self.first, self.last = ctx.rank == 0, ctx.rank == ctx.world_size - 1
         self._targets = 1.0
         pipe_stage = PipelineStage(stage, ctx.rank, ctx.world_size, device)
-        self.schedule = ScheduleGPipe(pipe_stage, n_microbatches=cfg.micro_batch, loss_fn=self._loss,
+        self.schedule = ScheduleGPipe(pipe_stage, n_microbatches=cfg.batch.micro_batch, loss_fn=self._loss,
                                       scale_grads=False)  # the loss is already divided by the step's targets
         import torch.distributed as dist
 
@@ -87,7 +87,7 @@ class PipelineModel(torch.nn.Module):
                                ignore_index=IGNORE_INDEX, reduction="sum") / self._targets
 
     def _fixed_shape(self, tensor: torch.Tensor, fill: int) -> torch.Tensor:
-        rows, length = self.cfg.micro_batch, self.cfg.seq_len
+        rows, length = self.cfg.batch.micro_batch, self.cfg.data.seq_len
         out = torch.full((rows, length), fill, dtype=tensor.dtype, device=tensor.device)
         out[:tensor.shape[0], :tensor.shape[1]] = tensor
         return out
@@ -101,7 +101,7 @@ class PipelineModel(torch.nn.Module):
         import torch.distributed as dist
 
         if "position_ids" in _:
-            raise MemfitError("pipeline_parallel does not support packed batches (packing: true) yet")
+            raise MemfitError("pipeline_parallel does not support packed batches (data.packing: true) yet")
         self._targets = float(num_items_in_batch or 1)
         tied = self._tied_weight()
         before = tied.grad.clone() if tied is not None and tied.grad is not None else None

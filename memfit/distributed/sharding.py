@@ -40,7 +40,7 @@ FSDP2 = ("zero2", "zero3")
 def shards_from_rank0(cfg, ctx: DistContext) -> bool:
     """Whether the engine hands each rank its part of rank 0's model (FSDP2 broadcast, tensor-parallel
     scatter, pipeline stage sends, DeepSpeed ZeRO-3's conversion) rather than a full replica."""
-    return ctx.enabled and (cfg.sharding in FSDP2 or cfg.tensor_parallel > 1 or cfg.pipeline_parallel > 1
+    return ctx.enabled and (cfg.distributed.sharding in FSDP2 or cfg.distributed.tensor_parallel > 1 or cfg.distributed.pipeline_parallel > 1
                             or loads_from_rank0(cfg, ctx))
 
 
@@ -55,13 +55,13 @@ def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.opti
     if not ctx.enabled:
         model = place(model, device)
         return model, optimizer_factory(trainable(model))
-    if cfg.tensor_parallel > 1:
-        model = apply_tensor_parallel(model, cfg.tensor_parallel, device)
+    if cfg.distributed.tensor_parallel > 1:
+        model = apply_tensor_parallel(model, cfg.distributed.tensor_parallel, device)
         return model, optimizer_factory(trainable(model))
-    if cfg.pipeline_parallel > 1:
+    if cfg.distributed.pipeline_parallel > 1:
         model = build_pipeline(model, cfg, ctx, device)
         return model, optimizer_factory(trainable(model))
-    if cfg.sharding in FSDP2:
+    if cfg.distributed.sharding in FSDP2:
         model = _fully_shard(model, cfg, ctx, device)
         return model, optimizer_factory(trainable(model))
     return _ddp(model, optimizer_factory, cfg, device)
@@ -75,7 +75,7 @@ def _ddp(model, optimizer_factory, cfg, device):
     wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                   gradient_as_bucket_view=True)
     optimizer = optimizer_factory(trainable(model))
-    if cfg.sharding == "zero1":
+    if cfg.distributed.sharding == "zero1":
         optimizer = _zero_redundancy(optimizer, trainable(model))
     return wrapped, optimizer
 
@@ -111,10 +111,10 @@ def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
     if hasattr(model, "tie_weights"):  # moving to meta unties shared weights (embeddings/lm_head): tie again
         model.tie_weights()
     mesh = init_device_mesh(device.type, (ctx.world_size,))
-    offload = cfg.offload in ("params", "all")
+    offload = cfg.distributed.offload in ("params", "all")
     # pin_memory needs an accelerator; on a CPU-only machine the offload target is where the shards already are.
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-    reshard = cfg.sharding == "zero3"
+    reshard = cfg.distributed.sharding == "zero3"
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)

@@ -27,7 +27,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
     """Closed-form estimate of one run's peak memory per device (see docs/planner.md)."""
     if model_config is None:
         model_config, _ = load_model_config(cfg.model)
-    if not isinstance(cfg.micro_batch, int):
+    if not isinstance(cfg.batch.micro_batch, int):
         raise MemfitError("micro_batch: auto is resolved by the planner; the analytic estimate needs a number")
     shape = model_shape(model_config)
     moments = beyond_basics_terms(peak_candidates(shape, cfg), shape, cfg, device)
@@ -36,7 +36,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
     where, by_category = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     by_category = {c: int(by_category.get(c, 0)) for c in CATEGORIES}
     paged = 0
-    if device == "cuda" and cfg.optimizer == "paged-adamw-8bit":
+    if device == "cuda" and cfg.optim.name == "paged-adamw-8bit":
         # bitsandbytes keeps paged states in CUDA unified memory, outside torch's allocator statistics
         paged, by_category["optimizer_states"] = by_category["optimizer_states"], 0
     allocated = sum(by_category.values())
@@ -48,13 +48,13 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
         overheads["paged_optimizer_states"] = paged
     reserved = allocated + overheads.get("cublas_workspace", 0) + overheads.get("allocator_reserve", 0)
     ram = cpu_ram_bytes(shape, cfg, device)
-    if cfg.offload != "none":  # what offload took off the GPU now lives in host RAM
-        unsharded = shard_model_states(peak_candidates(shape, cfg)["optimizer_step"], cfg.model_copy(
-            update={"offload": "none"}), gpus, "optimizer_step")
+    if cfg.distributed.offload != "none":  # what offload took off the GPU now lives in host RAM
+        unsharded = shard_model_states(peak_candidates(shape, cfg)["optimizer_step"], cfg.updated(
+            {"distributed.offload": "none"}), gpus, "optimizer_step")
         ram["offloaded"] = sum(unsharded[c] for c in ("weights", "gradients", "optimizer_states")) - sum(
             candidates["optimizer_step"][c] for c in ("weights", "gradients", "optimizer_states"))
-    if cfg.activation_offload and device == "cuda":  # the forward's saved tensors wait in pinned host memory
-        ram["offloaded_activations"] = activation_bytes(shape, cfg) - (_loss_bytes(shape, cfg) if cfg.chunked_loss else 0)
+    if cfg.memory.activation_offload and device == "cuda":  # the forward's saved tensors wait in pinned host memory
+        ram["offloaded_activations"] = activation_bytes(shape, cfg) - (_loss_bytes(shape, cfg) if cfg.memory.chunked_loss else 0)
     if device == "cpu":
         ram["training_state"] = allocated
     ram = node_cpu_ram(ram, shape, cfg, gpus, device)  # per node: every rank's runtime, data, offload
@@ -62,7 +62,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
     phases = {}
     if device == "cuda":
         notes.append("nvidia-smi would show peak_reserved_bytes + cuda_context")
-        if gpus == 1 and cfg.sharding == "none":
+        if gpus == 1 and cfg.distributed.sharding == "none":
             phases = _phases(shape, cfg, reserved, by_category, ram)
             top = max(phases, key=lambda name: phases[name]["gpu"])
             if top != "step":

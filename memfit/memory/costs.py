@@ -76,7 +76,7 @@ PRECISION_GIVES_UP = {"bf16-mixed": "", "fp32": "", "fp16-mixed": "fp16 range (l
 
 
 def checkpointed_layers(shape: ModelShape, cfg) -> int:
-    every = cfg.activation_checkpoint_every
+    every = cfg.memory.activation_checkpoint_every
     return 0 if not every else math.ceil(shape.layers / every)
 
 
@@ -99,43 +99,43 @@ def step_time(shape: ModelShape, cfg, gpu: GPU, gpus: int = 1, activation_bytes:
     collectives  data parallel all-reduces the gradients; zero3 gathers the parameters twice per
                  micro-batch; tensor parallel all-reduces activations four times per layer
     launches     a fixed cost per kernel: what makes larger micro-batches faster per token"""
-    tp, pp = cfg.tensor_parallel, cfg.pipeline_parallel
+    tp, pp = cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel
     model_parallel = tp * pp
-    tokens = cfg.micro_batch * cfg.seq_len
-    micro_batches = cfg.grad_accum
+    tokens = cfg.batch.micro_batch * cfg.data.seq_len
+    micro_batches = cfg.batch.grad_accum
     n = shape.total_params
     ckpt = checkpointed_layers(shape, cfg) / shape.layers
-    forward = tokens * (2 * n + 4 * shape.layers * cfg.seq_len * shape.q_dim)
+    forward = tokens * (2 * n + 4 * shape.layers * cfg.data.seq_len * shape.q_dim)
     backward = forward * (2 if cfg.method == "full" else 1)
     recompute = forward * ckpt
-    head = 2 * tokens * shape.hidden * shape.vocab if cfg.chunked_loss else 0
+    head = 2 * tokens * shape.hidden * shape.vocab if cfg.memory.chunked_loss else 0
     rate = (gpu.tf32_tflops if cfg.precision == "fp32" else gpu.bf16_tflops) * 1e12 * MATMUL_EFFICIENCY
     memory_rate = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
     host_rate = gpu.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY
     link_rate = gpu.interconnect_gbps * 1e9
     terms = {"compute": (forward + backward + recompute + head) * micro_batches / rate / model_parallel}
-    if cfg.attention == "eager":  # the [heads, seq, seq] scores are written and read back (fp32 + 16-bit)
-        terms["compute"] += cfg.micro_batch * shape.heads * cfg.seq_len ** 2 * 6 * 3 * shape.layers \
+    if cfg.memory.attention == "eager":  # the [heads, seq, seq] scores are written and read back (fp32 + 16-bit)
+        terms["compute"] += cfg.batch.micro_batch * shape.heads * cfg.data.seq_len ** 2 * 6 * 3 * shape.layers \
             * micro_batches / memory_rate / model_parallel
 
-    quant = QUANTS[cfg.quant]
+    quant = QUANTS[cfg.quant.scheme]
     if quant.dequant_bytes:
         passes = 2 + ckpt
         terms["dequantize"] = shape.block_linear_params * quant.dequant_bytes * passes * micro_batches / memory_rate
 
     trainable = trainable_params(shape, cfg)
-    optimizer = OPTIMIZERS[cfg.optimizer]
+    optimizer = OPTIMIZERS[cfg.optim.name]
     master = 4 if cfg.method != "full" else _weight_bytes(cfg)
     states = optimizer.state_bytes_fp32 if master == 4 else optimizer.state_bytes_16bit
     data_parallel = max(gpus // model_parallel, 1)
-    sharded = data_parallel if cfg.sharding in ("zero1", "zero2", "zero3") else 1
+    sharded = data_parallel if cfg.distributed.sharding in ("zero1", "zero2", "zero3") else 1
     per_rank = trainable / sharded / model_parallel
     step_bytes = per_rank * (2 * master + master + 2 * states)  # read + write params, read grads, states
-    offloaded = cfg.offload != "none"
+    offloaded = cfg.distributed.offload != "none"
     terms["optimizer"] = step_bytes / (CPU_OPTIMIZER_BYTES_PER_S if offloaded else memory_rate)
 
     host = 0.0
-    if cfg.activation_offload:
+    if cfg.memory.activation_offload:
         host += 2 * activation_bytes * micro_batches  # out in the forward, back in the backward
     if offloaded:  # FSDP2 CPUOffloadPolicy: parameters in (forward + backward), gradients out
         compute_bytes = 2
@@ -147,8 +147,8 @@ def step_time(shape: ModelShape, cfg, gpu: GPU, gpus: int = 1, activation_bytes:
     if data_parallel > 1:
         ring = 2 * (data_parallel - 1) / data_parallel
         grad_bytes = trainable * (2 if cfg.precision != "fp32" else 4) / model_parallel
-        comm += ring * grad_bytes / 2 if cfg.sharding in ("zero2", "zero3") else ring * grad_bytes
-        if cfg.sharding == "zero3":  # all-gather the parameters for the forward and the backward
+        comm += ring * grad_bytes / 2 if cfg.distributed.sharding in ("zero2", "zero3") else ring * grad_bytes
+        if cfg.distributed.sharding == "zero3":  # all-gather the parameters for the forward and the backward
             comm += 2 * (data_parallel - 1) / data_parallel * n * 2 * micro_batches
     if tp > 1:
         comm += 4 * shape.layers * 2 * (tp - 1) / tp * tokens * shape.hidden * 2 * micro_batches

@@ -63,7 +63,7 @@ def _counts(shape) -> tuple[int, int, int]:
 
 
 def data_parallel_ranks(cfg, gpus: int) -> int:
-    return max(gpus // (cfg.tensor_parallel * cfg.pipeline_parallel), 1)
+    return max(gpus // (cfg.distributed.tensor_parallel * cfg.distributed.pipeline_parallel), 1)
 
 
 def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> RankStates:
@@ -73,13 +73,13 @@ def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> 
     size = weights / max(shape.total_params, 1)  # bytes per weight
     block, root, block_linear = _counts(shape)
     n = data_parallel_ranks(cfg, gpus)
-    if cfg.tensor_parallel > 1:
-        k = cfg.tensor_parallel
+    if cfg.distributed.tensor_parallel > 1:
+        k = cfg.distributed.tensor_parallel
         kept = (shape.total_params - shape.layers * block_linear * (1 - 1 / k)) / shape.total_params
         return RankStates(int(weights * kept), int(grads * kept), int(states * kept),
                           notes=[f"tensor parallel {k}: block linears split {k} ways"])
-    if cfg.pipeline_parallel > 1:
-        s = cfg.pipeline_parallel
+    if cfg.distributed.pipeline_parallel > 1:
+        s = cfg.distributed.pipeline_parallel
         blocks = len(stage_blocks(shape.layers, s, stage))
         params = blocks * block + (shape.embedding_params if stage == 0 else 0)
         if stage == s - 1:  # final norm + lm_head (its own copy when tied to the embeddings)
@@ -87,7 +87,7 @@ def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> 
         kept = params / shape.total_params
         return RankStates(int(weights * kept), int(grads * kept), int(states * kept),
                           notes=[f"pipeline stage {stage} of {s}: {blocks} blocks"])
-    sharding = cfg.sharding
+    sharding = cfg.distributed.sharding
     if sharding in ("none", "ddp"):
         return RankStates(weights, grads, states, persistent_gradients=grads if sharding == "ddp" else 0)
     if sharding == "zero1":  # DDP's gradient buckets stay allocated
@@ -96,7 +96,7 @@ def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> 
     out = RankStates(*zero_split(weights, grads, states, 3, n))
     gathered = weights if sharding == "zero2" else int((root + 2 * block) * size)
     out.gathered_weights, out.gather_buffer = gathered, int(block * size)
-    if cfg.offload in ("params", "all") and device == "cuda":
+    if cfg.distributed.offload in ("params", "all") and device == "cuda":
         out.host_bytes = out.weights + out.gradients + out.optimizer_states
         out.weights = out.gradients = out.optimizer_states = 0
         out.notes.append("offload: sharded weights, gradients and optimizer states in host RAM")
@@ -106,22 +106,21 @@ def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> 
 def rank_activations(shape, cfg, stage: int = 0) -> int:
     """Activation bytes at the backward's start on one rank."""
     acts = single.activation_bytes(shape, cfg)
-    if cfg.tensor_parallel > 1:
-        k = cfg.tensor_parallel
+    if cfg.distributed.tensor_parallel > 1:
+        k = cfg.distributed.tensor_parallel
         layer = single._layer_bytes(shape, cfg)
         per_token = single._layer_activation_bytes_per_token(shape, cfg)
         # split tensors per token: q, k, v, attention output (head width), MLP gate/up/act/product (MLP width)
         c = single._compute_size(cfg)
         split = min((2 * shape.q_dim + 2 * shape.kv_dim + 4 * shape.intermediate) * c, per_token)
-        tokens = cfg.micro_batch * cfg.seq_len
+        tokens = cfg.batch.micro_batch * cfg.data.seq_len
         saved = shape.layers * (split * tokens + single._attention_scores_bytes(shape, cfg)) * (1 - 1 / k)
         return int(acts - min(saved, shape.layers * layer))
-    if cfg.pipeline_parallel > 1:
-        s = cfg.pipeline_parallel
+    if cfg.distributed.pipeline_parallel > 1:
+        s = cfg.distributed.pipeline_parallel
         blocks = len(stage_blocks(shape.layers, s, stage))
-        padded = cfg.model_copy(update={"micro_batch": cfg.micro_batch})
-        layer = single._layer_bytes(shape, padded)
-        hidden_in = cfg.micro_batch * cfg.seq_len * shape.hidden * single._weight_size(cfg)
+        layer = single._layer_bytes(shape, cfg)
+        hidden_in = cfg.batch.micro_batch * cfg.data.seq_len * shape.hidden * single._weight_size(cfg)
         out = blocks * layer + hidden_in  # + the stage's received (or embedded) input
         if stage == s - 1:  # logits and the fp32 log-softmax of every pipeline micro-batch
             out += 2 * single._loss_bytes(shape, cfg)
@@ -134,16 +133,16 @@ def _largest_tensor_bytes(shape, cfg, states: RankStates) -> int:
     if cfg.method != "full":
         return max((cfg.lora.rank * max(i, o) for _, i, o in adapted_linears(shape, cfg)), default=0) * 4
     largest = max([shape.embedding_params, shape.lm_head_params] + [i * o for _, i, o in shape.linear])
-    if cfg.tensor_parallel > 1:
+    if cfg.distributed.tensor_parallel > 1:
         largest = max(shape.embedding_params, shape.lm_head_params,
-                      max(i * o for _, i, o in shape.linear) // cfg.tensor_parallel)
-    if cfg.sharding in ("zero2", "zero3"):
+                      max(i * o for _, i, o in shape.linear) // cfg.distributed.tensor_parallel)
+    if cfg.distributed.sharding in ("zero2", "zero3"):
         largest = -(-largest // data_parallel_ranks(cfg, 2))
     return largest * size
 
 
 def optimizer_scratch(shape, cfg, states: RankStates, device: str) -> int:
-    if cfg.optimizer not in ("adamw", "sgd", "adafactor"):
+    if cfg.optim.name not in ("adamw", "sgd", "adafactor"):
         return 0
     if device == "cuda":  # foreach kernels: one scratch copy of the rank's trainable parameters
         return states.gradients
@@ -154,15 +153,15 @@ def rank_moments(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) ->
     """Bytes per category on one rank at the two moments that can peak."""
     st = rank_states(shape, cfg, gpus, device, stage)
     acts = rank_activations(shape, cfg, stage)
-    loss_buffers = 0 if cfg.pipeline_parallel > 1 else 2 * single._loss_bytes(shape, cfg)
+    loss_buffers = 0 if cfg.distributed.pipeline_parallel > 1 else 2 * single._loss_bytes(shape, cfg)
     base = dict(weights=st.weights, optimizer_states=st.optimizer_states)
     moments = {}
-    if cfg.pipeline_parallel > 1:
+    if cfg.distributed.pipeline_parallel > 1:
         # GPipe, after the first pipeline micro-batch's backward: every gradient of the stage exists,
         # the other micro-batches' activations still wait, plus one micro-batch's backward buffers.
-        n = cfg.micro_batch
-        one = cfg.model_copy(update={"micro_batch": 1})
-        last = stage == cfg.pipeline_parallel - 1
+        n = cfg.batch.micro_batch
+        one = cfg.updated({"batch.micro_batch": 1})
+        last = stage == cfg.distributed.pipeline_parallel - 1
         moments["pipeline_backward"] = dict(
             base, gradients=st.gradients, activations=acts * (n - 1) // n,
             temporaries=single._layer_gradient_buffers(shape, one) + (2 * single._loss_bytes(shape, one) if last else 0))
@@ -179,7 +178,7 @@ def rank_estimate(cfg, gpus: int, device: str = "cuda", model_config=None) -> Es
     if model_config is None:
         model_config, _ = load_model_config(cfg.model)
     shape = model_shape(model_config)
-    stages = range(cfg.pipeline_parallel) if cfg.pipeline_parallel > 1 else [0]
+    stages = range(cfg.distributed.pipeline_parallel) if cfg.distributed.pipeline_parallel > 1 else [0]
     best = None
     for stage in stages:
         for moment, cats in rank_moments(shape, cfg, gpus, device, stage).items():
@@ -190,16 +189,16 @@ def rank_estimate(cfg, gpus: int, device: str = "cuda", model_config=None) -> Es
     states = rank_states(shape, cfg, gpus, device, stage)
     by_category = {c: int(cats.get(c, 0)) for c in CATEGORIES}
     notes = [f"per rank ({gpus} ranks): peak at {moment.replace('_', ' ')}"
-             + (f", pipeline stage {stage}" if cfg.pipeline_parallel > 1 else ""), *states.notes]
+             + (f", pipeline stage {stage}" if cfg.distributed.pipeline_parallel > 1 else ""), *states.notes]
     return Estimate(peak_allocated_bytes=int(total), peak_reserved_bytes=int(total), by_category=by_category,
                     cpu_ram_bytes=states.host_bytes, engine="analytic", notes=notes)
 
 
 def per_rank_candidates(candidates: dict, shape, cfg, gpus: int, device: str = "cuda") -> dict:
     """For analytic.analytic_estimate: replace its moments by the per-rank ones when distributed."""
-    if cfg.sharding == "none" and cfg.tensor_parallel == 1 and cfg.pipeline_parallel == 1:
+    if cfg.distributed.sharding == "none" and cfg.distributed.tensor_parallel == 1 and cfg.distributed.pipeline_parallel == 1:
         return candidates
-    stages = [rank_moments(shape, cfg, gpus, device, stage) for stage in range(cfg.pipeline_parallel)]
+    stages = [rank_moments(shape, cfg, gpus, device, stage) for stage in range(cfg.distributed.pipeline_parallel)]
     return max(stages, key=lambda moments: max(sum(c.values()) for c in moments.values()))  # the fullest stage
 
 
@@ -234,5 +233,5 @@ def node_cpu_ram(ram: dict[str, int], shape, cfg, gpus: int, device: str = "cuda
         return ram
     out = {key: value * gpus for key, value in ram.items() if key != "model_load"}
     if "model_load" in ram:
-        out["model_load"] = ram["model_load"] * (1 if cfg.sharding in ("zero2", "zero3") else gpus)
+        out["model_load"] = ram["model_load"] * (1 if cfg.distributed.sharding in ("zero2", "zero3") else gpus)
     return out

@@ -23,7 +23,7 @@ def load_phase(shape: ModelShape, cfg, weights: int, host_load: int, host_base: 
     quantize it there, so one 16-bit block linear and its fp32 block statistics exist beside the
     already quantized model. Otherwise each tensor is cast to the training dtype once: one fp32 copy
     of the largest tensor in flight. Host RAM: the loading path's one materialised copy."""
-    if cfg.quant != "none":
+    if cfg.quant.scheme != "none":
         in_flight = max(i * o for _, i, o in shape.linear) * (2 + 4)
     else:
         in_flight = _largest_linear(shape) * 4
@@ -35,9 +35,9 @@ def checkpoint_phase(shape: ModelShape, cfg, weights: int, states: int, host_bas
     weights and the optimizer states are copied to host RAM before they are written."""
     trainable = trainable_params(shape, cfg)
     master = 4 if cfg.method != "full" or cfg.precision != "bf16-pure" else 2
-    cost = OPTIMIZERS[cfg.optimizer]
+    cost = OPTIMIZERS[cfg.optim.name]
     per = cost.state_bytes_fp32 if master == 4 else cost.state_bytes_16bit
-    host_copy = int(trainable * (master + per)) if cfg.optimizer != "adafactor" else trainable * master + states
+    host_copy = int(trainable * (master + per)) if cfg.optim.name != "adafactor" else trainable * master + states
     return {"gpu": weights + states, "cpu_ram": host_base + host_copy}
 
 
@@ -57,6 +57,6 @@ def phase_peaks(shape: ModelShape, cfg, step_gpu: int, step_ram: int, weights: i
               "step": {"gpu": step_gpu, "cpu_ram": step_ram},
               "checkpoint_save": checkpoint_phase(shape, cfg, weights, states, host_base)}
     merge = merge_phase(shape, cfg, host_base)
-    if merge is not None and cfg.merge:
+    if merge is not None and cfg.lora.merge:
         phases["merge"] = merge
     return phases

@@ -12,7 +12,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from memfit.config import RunConfig, build_config
+from memfit.config import RunConfig
 from memfit.errors import MemfitError
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
 from memfit.memory.estimate import Estimate
@@ -55,16 +55,9 @@ class Plan:
         return out
 
 
-def _with(cfg: RunConfig, **changes) -> RunConfig:
-    """A validated copy of cfg with changes (nested keys as dicts)."""
-    raw = cfg.model_dump(mode="json")
-    raw.update(changes)
-    return RunConfig.model_validate(raw)
-
-
 def user_fixed_fields(cfg: RunConfig) -> set[str]:
-    """The searched fields this config sets explicitly (from YAML or the command line)."""
-    return set(cfg.model_fields_set) & set(SEARCHED)
+    """The searched config paths this config sets explicitly (from YAML or the command line)."""
+    return cfg.explicit_paths() & set(SEARCHED)
 
 
 def reference_gpu(name: str | None, budget: int | None) -> GPU:
@@ -91,11 +84,11 @@ def plan(model_name: str, cfg: RunConfig, budget_bytes: int | None = None, gpus:
     reference = reference_gpu(gpu, budget_bytes)
     fixed = user_fixed_fields(cfg) if fixed is None else fixed
     if cfg.model.name != model_name:
-        cfg = _with(cfg, model=dict(cfg.model.model_dump(mode="json"), name=model_name))
+        cfg = cfg.updated({"model.name": model_name})
     model_config, _ = load_model_config(cfg.model)
     described = cfg
-    if not isinstance(cfg.micro_batch, int):
-        described = cfg.model_copy(update={"micro_batch": 1})
+    if not isinstance(cfg.batch.micro_batch, int):
+        described = cfg.updated({"batch.micro_batch": 1})
     estimate = _engine_estimate(described, model_config, device, engine, gpus)
     result = Plan(model_name, described, estimate, device_total_bytes(estimate), budget_bytes, gpus)
     if budget_bytes is None:
@@ -107,16 +100,10 @@ def plan(model_name: str, cfg: RunConfig, budget_bytes: int | None = None, gpus:
     result.seconds = time.perf_counter() - started
     chosen = result.recommendation
     if chosen is not None:
-        chosen.cfg = _validated(chosen.cfg)
         if engine == "traced":  # confirm the choice on the trainer's own step
             chosen.estimate = _engine_estimate(chosen.cfg, model_config, device, "traced", gpus)
             chosen.device_bytes = device_total_bytes(chosen.estimate)
     return result
-
-
-def _validated(cfg: RunConfig) -> RunConfig:
-    """The chosen plan through the same checks `memfit train` runs on a YAML file."""
-    return build_config(cfg.model_dump(mode="json"), "planned config")
 
 
 def _engine_estimate(cfg: RunConfig, model_config, device: str, engine: str, gpus: int = 1) -> Estimate:
@@ -181,10 +168,11 @@ def resolve_budget(cfg: RunConfig) -> RunConfig:
 
     device = "cuda" if cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available()) else "cpu"
     budget_bytes = available_bytes(device) if budget == "auto" else parse_bytes(budget)
-    fixed = user_fixed_fields(cfg) & {"method", "quant", "sharding", "offload", "tensor_parallel", "pipeline_parallel"}
+    fixed = user_fixed_fields(cfg) & {"method", "quant.scheme", "distributed.sharding", "distributed.offload",
+                                            "distributed.tensor_parallel", "distributed.pipeline_parallel"}
     result = plan(cfg.model.name, cfg, budget_bytes, gpus=1, device=device, fixed=fixed, host_ram=machine_ram_bytes())
-    current = cfg.model_copy(update={"budget": None})
-    if isinstance(cfg.micro_batch, int) and result.device_bytes + result.search.margin_bytes <= budget_bytes:
+    current = cfg.updated({"budget": None})
+    if isinstance(cfg.batch.micro_batch, int) and result.device_bytes + result.search.margin_bytes <= budget_bytes:
         log.info("budget %s: the configured run fits (%s predicted); training it as configured",
                  format_bytes(budget_bytes), format_bytes(result.device_bytes))
         return current
@@ -259,10 +247,10 @@ def plan_text(result: Plan) -> str:
 
 def _settings(cfg: RunConfig) -> str:
     """The plan's choices in the words of RunConfig keys, defaults left out."""
-    parts = [f"{cfg.precision}", cfg.optimizer, f"checkpointing {cfg.checkpointing}"]
+    parts = [f"{cfg.precision}", cfg.optim.name, f"checkpointing {cfg.memory.checkpointing}"]
     parts += [name.replace("_", " ") for name in ("chunked_loss", "activation_offload", "optimizer_in_backward")
-              if getattr(cfg, name)]
-    parts.append(f"micro_batch {cfg.micro_batch} x grad_accum {cfg.grad_accum}")
+              if getattr(cfg.memory, name)]
+    parts.append(f"micro_batch {cfg.batch.micro_batch} x grad_accum {cfg.batch.grad_accum}")
     return ", ".join(parts)
 
 
@@ -287,7 +275,7 @@ def search_lines(result: Plan) -> list[str]:
         if found.max_seq_len is not None:
             lines.append(f"  longest seq_len that fits this plan at micro_batch 1: {found.max_seq_len or 'none'}")
         if found.max_micro_batch is not None:
-            lines.append(f"  largest micro_batch that fits this plan at seq_len {chosen.cfg.seq_len}: "
+            lines.append(f"  largest micro_batch that fits this plan at seq_len {chosen.cfg.data.seq_len}: "
                          f"{found.max_micro_batch or 'none'}")
         fastest = found.pareto[0].step_seconds
         lines += ["", "Fastest plans that fit (each needs less memory than every faster one; time relative to the fastest)",
@@ -305,7 +293,7 @@ def search_lines(result: Plan) -> list[str]:
         if family.max_seq_len is not None:
             limits.append(f"longest seq_len at micro_batch 1: {family.max_seq_len or 'none'}")
         if family.max_micro_batch is not None:
-            limits.append(f"largest micro_batch at seq_len {result.cfg.seq_len}: {family.max_micro_batch or 'none'}")
+            limits.append(f"largest micro_batch at seq_len {result.cfg.data.seq_len}: {family.max_micro_batch or 'none'}")
         if limits:
             lines.append("         " + "; ".join(limits) + " (leanest settings)")
     return lines

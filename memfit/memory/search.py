@@ -17,17 +17,14 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from memfit.config import RunConfig
-from memfit.config.distributed import config_problems, launch_problems
+from memfit.config import ConfigError, RunConfig
+from memfit.config.distributed import launch_problems
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
 from memfit.memory.single_device import activation_bytes
 from memfit.memory.costs import METHOD_GIVES_UP, OPTIMIZERS, PRECISION_GIVES_UP, QUANTS, step_time
 from memfit.memory.estimate import Estimate
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import ModelShape, model_shape
-from memfit.strategies.optimizer_in_backward import in_backward_problems
-from memfit.strategies.optimizers import optimizer_problems
-from memfit.strategies.quantization import quant_problems
 from memfit.units import format_bytes
 
 GiB = 2**30
@@ -35,11 +32,20 @@ CHECKPOINTING = ("none", "every-4", "every-2", "full")
 OPTIMIZERS_SEARCHED = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion-8bit")
 PRECISIONS_SEARCHED = ("bf16-mixed", "bf16-pure")  # fp16-mixed and fp32 only when asked for
 TIE = 0.05  # plans within 5% of the fastest step time count as equally fast: fidelity decides
-# fields the search may choose; a field the user set is held fixed
-SEARCHED = ("method", "quant", "precision", "optimizer", "checkpointing", "chunked_loss", "activation_offload",
-            "optimizer_in_backward", "sharding", "offload", "tensor_parallel", "pipeline_parallel", "max_grad_norm")
+# config paths the search may choose; a value the user set is held fixed
+SEARCHED = ("method", "quant.scheme", "precision", "optim.name", "memory.checkpointing", "memory.chunked_loss",
+            "memory.activation_offload", "memory.optimizer_in_backward", "distributed.sharding", "distributed.offload",
+            "distributed.tensor_parallel", "distributed.pipeline_parallel", "optim.max_grad_norm")
 # the per-rank estimate (memory/distributed_estimate.py) does not model these yet: off in sharded families
-UNMODELLED_SHARDED = dict(chunked_loss=False, activation_offload=False)
+UNMODELLED_SHARDED = {"memory.chunked_loss": False, "memory.activation_offload": False}
+# what a plan's summary shows: short name -> config path
+SUMMARY = {"method": "method", "quant": "quant.scheme", "precision": "precision", "optimizer": "optim.name",
+           "checkpointing": "memory.checkpointing", "chunked_loss": "memory.chunked_loss",
+           "activation_offload": "memory.activation_offload", "optimizer_in_backward": "memory.optimizer_in_backward",
+           "attention": "memory.attention", "micro_batch": "batch.micro_batch", "grad_accum": "batch.grad_accum",
+           "seq_len": "data.seq_len"}
+SUMMARY_IF_SET = {"sharding": "distributed.sharding", "offload": "distributed.offload",
+                  "tensor_parallel": "distributed.tensor_parallel", "pipeline_parallel": "distributed.pipeline_parallel"}
 # micro_batch x grad_accum is always re-split, holding the sequences per optimizer step the user asked for
 
 
@@ -102,67 +108,66 @@ class SearchResult:
 
 
 def config_summary(cfg: RunConfig) -> dict:
-    keys = ("method", "quant", "precision", "optimizer", "checkpointing", "chunked_loss", "activation_offload",
-            "optimizer_in_backward", "attention", "micro_batch", "grad_accum", "seq_len")
-    out = {k: getattr(cfg, k) for k in keys}
-    for key in ("sharding", "offload", "tensor_parallel", "pipeline_parallel"):
-        if getattr(cfg, key) not in ("none", 1):
-            out[key] = getattr(cfg, key)
+    out = {name: cfg.get(path) for name, path in SUMMARY.items()}
+    out.update({name: cfg.get(path) for name, path in SUMMARY_IF_SET.items() if cfg.get(path) not in ("none", 1)})
     return out
 
 
 def gives_up(cfg: RunConfig) -> list[str]:
     """What a plan trades against full fine-tuning in bf16-mixed with AdamW and clipping."""
-    out = [METHOD_GIVES_UP[cfg.method], QUANTS[cfg.quant].gives_up, PRECISION_GIVES_UP[cfg.precision],
-           OPTIMIZERS[cfg.optimizer].gives_up]
-    if cfg.max_grad_norm is None:
+    out = [METHOD_GIVES_UP[cfg.method], QUANTS[cfg.quant.scheme].gives_up, PRECISION_GIVES_UP[cfg.precision],
+           OPTIMIZERS[cfg.optim.name].gives_up]
+    if cfg.optim.max_grad_norm is None:
         out.append("no gradient clipping")
     return [item for item in out if item]
 
 
 def fidelity_rank(cfg: RunConfig) -> tuple:
     """Lower is closer to full fine-tuning: method first (full > LoRA > 8-bit base > 4-bit base)."""
-    method = {"full": 0, "lora": 1, "qlora": 3}[cfg.method] + (1 if cfg.quant == "int8" else 0)
+    method = {"full": 0, "lora": 1, "qlora": 3}[cfg.method] + (1 if cfg.quant.scheme == "int8" else 0)
     return method, len(gives_up(cfg))
 
 
 # --- the space ------------------------------------------------------------------------------------------
 def families(cfg: RunConfig, gpus: int, device: str) -> list[tuple[str, dict]]:
-    """(name, fields) of every method x engine family this run may use."""
-    methods = [("full", dict(method="full", quant="none")), ("LoRA", dict(method="lora", quant="none")),
-               ("LoRA, 8-bit base", dict(method="lora", quant="int8")),
-               ("QLoRA", dict(method="qlora", quant="nf4-dq"))]
+    """(name, {config path: value}) of every method x engine family this run may use."""
+    methods = [("full", {"method": "full", "quant.scheme": "none"}),
+               ("LoRA", {"method": "lora", "quant.scheme": "none"}),
+               ("LoRA, 8-bit base", {"method": "lora", "quant.scheme": "int8"}),
+               ("QLoRA", {"method": "qlora", "quant.scheme": "nf4-dq"})]
+    sharding, offload = "distributed.sharding", "distributed.offload"
+    tp, pp = "distributed.tensor_parallel", "distributed.pipeline_parallel"
     out = []
     for name, fields in methods:
         if gpus == 1:
-            out.append((name, dict(fields, sharding="none", offload="none")))
+            out.append((name, {**fields, sharding: "none", offload: "none"}))
             if fields["method"] == "full" and device == "cuda":
                 out.append((name + " + CPU offload (FSDP2, one process)",
-                            dict(fields, sharding="zero3", offload="all", **UNMODELLED_SHARDED)))
+                            {**fields, sharding: "zero3", offload: "all", **UNMODELLED_SHARDED}))
             continue
-        engines = [("DDP", dict(sharding="ddp"))]
-        if fields["quant"] == "none":
-            engines += [("ZeRO-2", dict(sharding="zero2")), ("ZeRO-3", dict(sharding="zero3"))]
+        engines = [("DDP", {sharding: "ddp"})]
+        if fields["quant.scheme"] == "none":
+            engines += [("ZeRO-2", {sharding: "zero2"}), ("ZeRO-3", {sharding: "zero3"})]
         if fields["method"] == "full":
-            engines += [("ZeRO-1", dict(sharding="zero1")),
-                        ("ZeRO-3 + CPU offload", dict(sharding="zero3", offload="all")),
-                        (f"tensor parallel {gpus}", dict(sharding="none", tensor_parallel=gpus)),
-                        (f"pipeline parallel {gpus}", dict(sharding="none", pipeline_parallel=gpus, max_grad_norm=None))]
+            engines += [("ZeRO-1", {sharding: "zero1"}),
+                        ("ZeRO-3 + CPU offload", {sharding: "zero3", offload: "all"}),
+                        (f"tensor parallel {gpus}", {sharding: "none", tp: gpus}),
+                        (f"pipeline parallel {gpus}", {sharding: "none", pp: gpus, "optim.max_grad_norm": None})]
         for engine, extra in engines:
-            out.append((f"{name}, {engine}", dict(fields, **{"offload": "none", "tensor_parallel": 1,
-                                                            "pipeline_parallel": 1, **extra}, **UNMODELLED_SHARDED)))
+            out.append((f"{name}, {engine}", {**fields, offload: "none", tp: 1, pp: 1, **extra, **UNMODELLED_SHARDED}))
     return out
 
 
 def _fixed(cfg: RunConfig, fixed: set[str]) -> dict:
-    return {k: getattr(cfg, k) for k in fixed}
+    return {path: cfg.get(path) for path in fixed}
 
 
 def _choices(cfg: RunConfig, device: str) -> dict[str, tuple]:
     """The values each inner dimension takes."""
-    return {"precision": PRECISIONS_SEARCHED, "optimizer": OPTIMIZERS_SEARCHED, "checkpointing": CHECKPOINTING,
-            "chunked_loss": (False, True), "activation_offload": (False, True) if device == "cuda" else (False,),
-            "optimizer_in_backward": (False, True)}
+    return {"precision": PRECISIONS_SEARCHED, "optim.name": OPTIMIZERS_SEARCHED, "memory.checkpointing": CHECKPOINTING,
+            "memory.chunked_loss": (False, True),
+            "memory.activation_offload": (False, True) if device == "cuda" else (False,),
+            "memory.optimizer_in_backward": (False, True)}
 
 
 def _batch_shapes(sequences: int) -> list[tuple[int, int]]:
@@ -172,33 +177,38 @@ def _batch_shapes(sequences: int) -> list[tuple[int, int]]:
 
 
 def sequences_per_step(cfg: RunConfig) -> int:
-    return (cfg.micro_batch if isinstance(cfg.micro_batch, int) else 1) * cfg.grad_accum
+    return (cfg.batch.micro_batch if isinstance(cfg.batch.micro_batch, int) else 1) * cfg.batch.grad_accum
 
 
-def _problems(cfg: RunConfig, model_config, gpus: int) -> list[str]:
-    """The trainer's own rules for a combination (the same functions build_config runs)."""
-    problems = config_problems(cfg) + quant_problems(cfg) + in_backward_problems(cfg) + optimizer_problems(cfg)
-    if gpus > 1 or cfg.tensor_parallel > 1 or cfg.pipeline_parallel > 1:
-        problems += launch_problems(cfg, gpus, model_config)
-    return problems
+def _build(base: RunConfig, update: dict, model_config, gpus: int) -> RunConfig | list[str]:
+    """The candidate, or why the trainer would refuse it: its config rules (checked on every
+    construction) and, on several GPUs, the launch rules."""
+    try:
+        cfg = base.updated(update, "planned config")
+    except ConfigError as exc:
+        return exc.problems
+    if gpus > 1 or cfg.distributed.tensor_parallel > 1 or cfg.distributed.pipeline_parallel > 1:
+        return launch_problems(cfg, gpus, model_config) or cfg
+    return cfg
 
 
 def _members(base: RunConfig, family: dict, fixed: dict, sequences: int, device: str):
-    """Every valid-looking config of one family (the trainer's rules are checked by the caller)."""
+    """The updates of every member of one family (the trainer's rules are checked by _build)."""
     dims = {k: v for k, v in _choices(base, device).items() if k not in fixed and k not in family}
     shapes = _batch_shapes(sequences)
     keys = list(dims)
     for values in itertools.product(*(dims[k] for k in keys)):
         chosen = dict(zip(keys, values))
-        in_backward = chosen.get("optimizer_in_backward", fixed.get("optimizer_in_backward", base.optimizer_in_backward))
+        in_backward = chosen.get("memory.optimizer_in_backward",
+                                 fixed.get("memory.optimizer_in_backward", base.memory.optimizer_in_backward))
         for mb, ga in shapes:
             if in_backward and ga != 1:
                 continue
-            update = dict(family, **chosen, micro_batch=mb, grad_accum=ga, budget=None)
-            if in_backward and "max_grad_norm" not in fixed:
-                update["max_grad_norm"] = None
+            update = {**family, **chosen, "batch.micro_batch": mb, "batch.grad_accum": ga, "budget": None}
+            if in_backward and "optim.max_grad_norm" not in fixed:
+                update["optim.max_grad_norm"] = None
             update.update(fixed)
-            yield base.model_copy(update=update)
+            yield update
 
 
 # --- scoring ----------------------------------------------------------------------------------------------
@@ -220,11 +230,11 @@ class _Scorer:
 
     def timed(self, c: Candidate) -> Candidate:
         cfg = c.cfg
-        saved = activation_bytes(self.shape, cfg) if cfg.activation_offload else 0
+        saved = activation_bytes(self.shape, cfg) if cfg.memory.activation_offload else 0
         c.time_terms = step_time(self.shape, cfg, self.gpu, self.gpus, saved)
         c.step_seconds = sum(c.time_terms.values())
-        data_parallel = max(self.gpus // (cfg.tensor_parallel * cfg.pipeline_parallel), 1)
-        c.tokens_per_second = cfg.micro_batch * cfg.seq_len * cfg.grad_accum * data_parallel / c.step_seconds
+        data_parallel = max(self.gpus // (cfg.distributed.tensor_parallel * cfg.distributed.pipeline_parallel), 1)
+        c.tokens_per_second = cfg.batch.micro_batch * cfg.data.seq_len * cfg.batch.grad_accum * data_parallel / c.step_seconds
         return c
 
 
@@ -234,13 +244,14 @@ def _leanest(base: RunConfig, family: dict, fixed: dict, device: str) -> list[Ru
     out = []
     for optimizer, in_backward, offload in itertools.product(("adafactor", "lion-8bit"), (True, False),
                                                               {False, device == "cuda"}):
-        savers = dict(precision="bf16-pure", checkpointing="full", chunked_loss=True, activation_offload=offload)
-        update = dict(savers, optimizer=optimizer, optimizer_in_backward=in_backward, micro_batch=1, grad_accum=1,
-                      budget=None, **family)
+        update = {"precision": "bf16-pure", "memory.checkpointing": "full", "memory.chunked_loss": True,
+                  "memory.activation_offload": offload, "optim.name": optimizer,
+                  "memory.optimizer_in_backward": in_backward, "batch.micro_batch": 1, "batch.grad_accum": 1,
+                  "budget": None, **family}
         if in_backward:
-            update["max_grad_norm"] = None
+            update["optim.max_grad_norm"] = None
         update.update(fixed)
-        out.append(base.model_copy(update=update))
+        out.append(update)
     return out
 
 
@@ -254,13 +265,14 @@ def _largest(fits, low: int, high: int) -> int:
     return low
 
 
-def _limit_of(cfg: RunConfig, scorer: _Scorer, family: str, field_name: str, high: int) -> int:
+def _limit_of(cfg: RunConfig, scorer: _Scorer, family: str, path: str, high: int) -> int:
+    """The largest batch.micro_batch (at grad_accum 1) or data.seq_len of `cfg` that fits."""
     def fits(value: int) -> bool:
-        update = {field_name: value}
-        if field_name == "micro_batch":
-            update["grad_accum"] = 1
-        return scorer.fits(scorer.memory(cfg.model_copy(update=update), family))
-    return _largest(fits, 1 if field_name == "micro_batch" else 8, high)
+        update = {path: value}
+        if path == "batch.micro_batch":
+            update["batch.grad_accum"] = 1
+        return scorer.fits(scorer.memory(cfg.updated(update), family))
+    return _largest(fits, 1 if path == "batch.micro_batch" else 8, high)
 
 
 def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, device: str = "cuda",
@@ -280,13 +292,10 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
             given = ", ".join(f"{k}={v}" for k, v in fixed.items() if k in family and family[k] != v)
             results.append(FamilyResult(name, False, f"excluded by your option(s) {given}"))
             continue
-        lean = []
-        for cfg in _leanest(base, family, fixed, device):
-            if not _problems(cfg, model_config, gpus):
-                lean.append(scorer.memory(cfg, name))
+        built = [_build(base, update, model_config, gpus) for update in _leanest(base, family, fixed, device)]
+        lean = [scorer.memory(cfg, name) for cfg in built if isinstance(cfg, RunConfig)]
         if not lean:
-            problem = _problems(_leanest(base, family, fixed, device)[0], model_config, gpus)[0]
-            results.append(FamilyResult(name, False, f"not runnable: {problem}"))
+            results.append(FamilyResult(name, False, f"not runnable: {built[0][0]}"))
             continue
         leanest = min(lean, key=lambda c: (not scorer.fits(c), c.device_bytes))
         if leanest.device_bytes <= scorer.limit and not scorer.fits(leanest):
@@ -300,8 +309,9 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
                 f"{top[0].replace('_', ' ')} {format_bytes(top[1])}) + margin {format_bytes(margin)}: misses the "
                 f"budget by {format_bytes(leanest.device_bytes + margin - budget)}", leanest))
             continue
-        members = [scorer.timed(c) for cfg in _members(base, family, fixed, sequences, device)
-                   if not _problems(cfg, model_config, gpus) and scorer.fits(c := scorer.memory(cfg, name))]
+        members = [scorer.timed(c) for update in _members(base, family, fixed, sequences, device)
+                   if isinstance(cfg := _build(base, update, model_config, gpus), RunConfig)
+                   and scorer.fits(c := scorer.memory(cfg, name))]
         if not members:  # the lean pre-check fits, but not at the user's sequences per step
             results.append(FamilyResult(name, False, f"fits only with other batch settings; leanest "
                                                      f"{format_bytes(leanest.device_bytes)}", leanest))
@@ -311,24 +321,25 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
         results.append(FamilyResult(name, True, f"fits: {format_bytes(best.device_bytes)} + margin "
                                                 f"{format_bytes(margin)} of {format_bytes(budget)}", best))
         if max_micro_batch:
-            results[-1].max_micro_batch = _limit_of(_lean_like(best.cfg, leanest.cfg), scorer, name, "micro_batch", 4096)
+            results[-1].max_micro_batch = _limit_of(_lean_like(best.cfg, leanest.cfg), scorer, name, "batch.micro_batch",
+                                                    4096)
         if max_seq_len:
-            results[-1].max_seq_len = _limit_of(leanest.cfg, scorer, name, "seq_len", seq_limit)
+            results[-1].max_seq_len = _limit_of(leanest.cfg, scorer, name, "data.seq_len", seq_limit)
     chosen = _prefer_fidelity(fitting) if fitting else None
     result = SearchResult(budget, margin, gpu, results, pareto(fitting, chosen), chosen, scorer.count, host_ram)
     if chosen is not None:
         if max_micro_batch:
-            result.max_micro_batch = _limit_of(chosen.cfg, scorer, chosen.family, "micro_batch", 4096)
+            result.max_micro_batch = _limit_of(chosen.cfg, scorer, chosen.family, "batch.micro_batch", 4096)
         if max_seq_len:
-            one = chosen.cfg.model_copy(update={"micro_batch": 1, "grad_accum": 1})
-            result.max_seq_len = _limit_of(one, scorer, chosen.family, "seq_len", seq_limit)
+            one = chosen.cfg.updated({"batch.micro_batch": 1, "batch.grad_accum": 1})
+            result.max_seq_len = _limit_of(one, scorer, chosen.family, "data.seq_len", seq_limit)
         result.evaluated = scorer.count
     return result
 
 
 def _lean_like(best: RunConfig, lean: RunConfig) -> RunConfig:
     """The leanest settings, for the largest micro-batch a family can take at the requested seq_len."""
-    return lean.model_copy(update={"seq_len": best.seq_len})
+    return lean.updated({"data.seq_len": best.data.seq_len})
 
 
 def _prefer_fidelity(candidates: list[Candidate]) -> Candidate:

@@ -45,8 +45,8 @@ def _compute_size(cfg: RunConfig) -> int:
 
 def _quant_mode(cfg: RunConfig) -> str:
     if cfg.method != "qlora":
-        return cfg.quant or "none"
-    quant = cfg.quant
+        return cfg.quant.scheme or "none"
+    quant = cfg.quant.scheme
     return "nf4-dq" if quant in (None, "none") else quant
 
 
@@ -82,14 +82,14 @@ def gradient_bytes(shape: ModelShape, cfg: RunConfig) -> int:
 def optimizer_state_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """Optimizer states per trainable parameter (the table in memory/costs.py)."""
     n = trainable_params(shape, cfg)
-    if cfg.optimizer == "adafactor":
+    if cfg.optim.name == "adafactor":
         # row + column second-moment factors per matrix, fp32
         mats = shape.linear if cfg.method == "full" else []
         factored = sum(i + o for _, i, o in mats) + shape.total_params - shape.block_linear_params
         if cfg.method != "full":
             factored = sum(i + cfg.lora.rank + cfg.lora.rank + o for _, i, o in adapted_linears(shape, cfg))
         return factored * 4
-    cost = OPTIMIZERS[cfg.optimizer]
+    cost = OPTIMIZERS[cfg.optim.name]
     per = cost.state_bytes_fp32 if _trainable_size(cfg) == 4 else cost.state_bytes_16bit
     return math.ceil(n * per)
 
@@ -145,10 +145,10 @@ def _layer_activation_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> floa
 
 def _attention_scores_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """Eager attention keeps the [batch, heads, seq, seq] probabilities (fp32 softmax, + a 16-bit copy)."""
-    if cfg.attention != "eager":
+    if cfg.memory.attention != "eager":
         return 0
     per = 4 if _compute_size(cfg) == 4 else 6
-    return cfg.micro_batch * shape.heads * cfg.seq_len * cfg.seq_len * per
+    return cfg.batch.micro_batch * shape.heads * cfg.data.seq_len * cfg.data.seq_len * per
 
 
 _checkpointed_layers = checkpointed_layers
@@ -175,36 +175,36 @@ def _norm_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> float:
 
 def _layer_bytes(shape: ModelShape, cfg: RunConfig) -> float:
     """Everything one decoder layer saves for one micro-batch."""
-    tokens = cfg.micro_batch * cfg.seq_len
+    tokens = cfg.batch.micro_batch * cfg.data.seq_len
     return _layer_activation_bytes_per_token(shape, cfg) * tokens + _attention_scores_bytes(shape, cfg)
 
 
 def _loss_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """The log-softmax output the cross-entropy keeps, fp32 (transformers upcasts the logits)."""
-    return cfg.micro_batch * cfg.seq_len * shape.vocab * 4
+    return cfg.batch.micro_batch * cfg.data.seq_len * shape.vocab * 4
 
 
 def _chunk_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """One chunk of the chunked loss: its fp32 logits (chunk tokens x vocab x 4 B)."""
-    tokens = cfg.micro_batch * cfg.seq_len
+    tokens = cfg.batch.micro_batch * cfg.data.seq_len
     return min(tokens, auto_chunk_tokens(tokens, shape.vocab, shape.hidden)) * shape.vocab * 4
 
 
 def _loss_buffer_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """The loss's two largest transient blocks: d log-softmax and d logits over all tokens, or with
     the chunked loss two of one chunk's buffers."""
-    return 2 * (_chunk_bytes(shape, cfg) if cfg.chunked_loss else _loss_bytes(shape, cfg))
+    return 2 * (_chunk_bytes(shape, cfg) if cfg.memory.chunked_loss else _loss_bytes(shape, cfg))
 
 
 def activation_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """Tensors saved for backward at the end of one micro-batch's forward (the backward's start)."""
-    tokens = cfg.micro_batch * cfg.seq_len
+    tokens = cfg.batch.micro_batch * cfg.data.seq_len
     p, c, full = _weight_size(cfg), _compute_size(cfg), cfg.method == "full"
     ckpt = _checkpointed_layers(shape, cfg)
     layers = (shape.layers - ckpt) * _layer_bytes(shape, cfg) + ckpt * tokens * shape.hidden * p  # ckpt: input only
     if not full:  # the first layer's input is the frozen embedding's output: no gradient, not kept
         layers -= tokens * shape.hidden * p if shape.layers > ckpt else 0
-    rope = 2 * cfg.seq_len * shape.head_dim * p if shape.family == "llama" else 0
+    rope = 2 * cfg.data.seq_len * shape.head_dim * p if shape.family == "llama" else 0
     batch = 4 * tokens * 8  # input_ids, attention_mask, labels and the shifted labels, int64
     return int(layers + _head_bytes(shape, cfg) + _loss_bytes(shape, cfg) + rope + batch
                + _weight_copies_bytes(shape, cfg))
@@ -212,7 +212,7 @@ def activation_bytes(shape: ModelShape, cfg: RunConfig) -> int:
 
 def _head_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """What the final norm and the lm_head save; both are freed before the last layer's backward."""
-    tokens = cfg.micro_batch * cfg.seq_len
+    tokens = cfg.batch.micro_batch * cfg.data.seq_len
     p, c, full = _weight_size(cfg), _compute_size(cfg), cfg.method == "full"
     # lm_head input: kept when lm_head trains, or as the 16-bit autocast copy; shared in fp32
     head_input = tokens * shape.hidden * c if (c != p or full) else 0
@@ -224,7 +224,7 @@ def _layer_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
     intermediates (down input, act output, up output: 3 x tokens x intermediate, 2 for a plain MLP),
     less the down projection's saved input once its own backward has freed it, plus the gradient
     of the residual stream that runs through every layer (in the weights' dtype)."""
-    tokens = cfg.micro_batch * cfg.seq_len
+    tokens = cfg.batch.micro_batch * cfg.data.seq_len
     width = shape.intermediate * shape.experts_per_token
     c = _compute_size(cfg)
     intermediates = width * c * (3 if shape.family == "llama" else 2)
@@ -248,7 +248,7 @@ def _dequant_bytes(shape: ModelShape, cfg: RunConfig) -> int:
 def _optimizer_scratch(shape: ModelShape, cfg: RunConfig) -> int:
     """torch AdamW/SGD/Adafactor (foreach) build one scratch copy of the trainable parameters
     (e.g. Adam's denominator); bitsandbytes/torchao 8-bit optimizers update block by block."""
-    if OPTIMIZERS[cfg.optimizer].foreach_scratch:
+    if OPTIMIZERS[cfg.optim.name].foreach_scratch:
         return trainable_params(shape, cfg) * _trainable_size(cfg)
     return 0
 
@@ -262,22 +262,22 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig) -> dict[str, dict[str, in
     backward_first  the first layer's backward: only its activations remain, nearly all gradients exist
     optimizer_step  weights + gradients + states + the optimizer's scratch
     Under gradient accumulation, the gradients of earlier micro-batches are alive throughout."""
-    tokens = cfg.micro_batch * cfg.seq_len
+    tokens = cfg.batch.micro_batch * cfg.data.seq_len
     weights = weights_bytes(shape, cfg)
     grads = gradient_bytes(shape, cfg)
     states = optimizer_state_bytes(shape, cfg)
     acts = activation_bytes(shape, cfg)
     layer = int(_layer_bytes(shape, cfg))
     buffers = _layer_gradient_buffers(shape, cfg) + _dequant_bytes(shape, cfg)
-    accumulated = grads if cfg.grad_accum > 1 else 0
-    ckpt_every = cfg.activation_checkpoint_every
+    accumulated = grads if cfg.batch.grad_accum > 1 else 0
+    ckpt_every = cfg.memory.activation_checkpoint_every
     last_ckpt = bool(ckpt_every) and (shape.layers - 1) % ckpt_every == 0
     # a recomputed layer's saved tensors include its residual input (not in bf16-pure, where the
     # norm keeps an fp32 copy instead), which the checkpoint already holds in the activations
     ckpt_input = 0 if cfg.precision == "bf16-pure" else tokens * shape.hidden * _weight_size(cfg)
     # the first layer's backward: everything else freed; its own activations (recomputed if checkpointed)
     grads_before_first = grads - (grads // shape.layers if cfg.method == "full" else 0)
-    small = 4 * tokens * 8 + 2 * cfg.seq_len * shape.head_dim * 4
+    small = 4 * tokens * 8 + 2 * cfg.data.seq_len * shape.head_dim * 4
     base = dict(weights=weights, optimizer_states=states)
     return {
         "backward_start": dict(base, gradients=accumulated, activations=acts,
@@ -323,8 +323,8 @@ def shard_model_states(by_category: dict[str, int], cfg: RunConfig, gpus: int, w
     zero1 optimizer states, zero2 + gradients, zero3 + weights (FSDP keeps one layer gathered:
     not counted here). offload moves optimizer states (and with params/all the weights and
     gradients) to host RAM. The distributed module may refine these terms."""
-    sharding, offload = cfg.sharding, cfg.offload
-    world = max(gpus // (cfg.tensor_parallel * cfg.pipeline_parallel), 1)
+    sharding, offload = cfg.distributed.sharding, cfg.distributed.offload
+    world = max(gpus // (cfg.distributed.tensor_parallel * cfg.distributed.pipeline_parallel), 1)
     out = dict(by_category)
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(sharding, 0)
     for category, from_stage in (("optimizer_states", 1), ("gradients", 2), ("weights", 3)):
@@ -366,23 +366,23 @@ def beyond_basics_terms(candidates: dict[str, dict[str, int]], shape: ModelShape
                            (and, at its start, the loss's) at a time
     """
     out = {moment: dict(values) for moment, values in candidates.items()}
-    tokens = cfg.micro_batch * cfg.seq_len
+    tokens = cfg.batch.micro_batch * cfg.data.seq_len
     loss = _loss_bytes(shape, cfg)
-    if cfg.chunked_loss:
+    if cfg.memory.chunked_loss:
         chunk = _chunk_bytes(shape, cfg)
         out["backward_start"]["activations"] -= loss
         out["backward_start"]["temporaries"] += 3 * chunk - 2 * loss
         loss = 0
-    if cfg.optimizer_in_backward:
+    if cfg.memory.optimizer_in_backward:
         largest = _largest_param_bytes(shape, cfg)
         for values in out.values():
             values["gradients"] = min(values["gradients"], largest)
         out["optimizer_step"].update(gradients=largest, temporaries=min(out["optimizer_step"]["temporaries"], largest))
-    if cfg.activation_offload and device == "cuda":
+    if cfg.memory.activation_offload and device == "cuda":
         layer = int(_layer_bytes(shape, cfg))
         out["backward_start"]["activations"] = min(out["backward_start"]["activations"], loss + layer)
         # a checkpointed last layer brings back only its input; its recomputed tensors are temporaries
-        every = cfg.activation_checkpoint_every
+        every = cfg.memory.activation_checkpoint_every
         last_ckpt = bool(every) and (shape.layers - 1) % every == 0
         back = tokens * shape.hidden * _weight_size(cfg) if last_ckpt else layer
         out["backward_last"]["activations"] = min(out["backward_last"]["activations"], back)

@@ -179,12 +179,12 @@ def fake_batch(cfg: RunConfig, padded: bool) -> dict[str, torch.Tensor]:
     as it is for any real batch with padding; without, the mask is skipped as for a batch of
     full-length rows.
     """
-    shape = (cfg.micro_batch, cfg.seq_len)
+    shape = (cfg.batch.micro_batch, cfg.data.seq_len)
     with _real_tensors():
-        if cfg.packing:  # packed rows carry position_ids instead of an attention mask
-            positions = torch.arange(cfg.seq_len).expand(shape).clone()
+        if cfg.data.packing:  # packed rows carry position_ids instead of an attention mask
+            positions = torch.arange(cfg.data.seq_len).expand(shape).clone()
             if padded:
-                positions[-1, cfg.seq_len // 2:] -= cfg.seq_len // 2
+                positions[-1, cfg.data.seq_len // 2:] -= cfg.data.seq_len // 2
             real = {"position_ids": positions}
         else:
             mask = torch.ones(shape, dtype=torch.long)
@@ -222,11 +222,11 @@ def trace_estimate(cfg: RunConfig, device: str | torch.device | None = None, pad
     usually do), no for one unpacked sequence per micro-batch (never padded).
     """
     if padded is None:
-        padded = cfg.micro_batch > 1 or cfg.packing
+        padded = cfg.batch.micro_batch > 1 or cfg.data.packing
     started = time.perf_counter()
     target = target_device(cfg, device)
     notes: list[str] = []
-    attention = cfg.attention
+    attention = cfg.memory.attention
     if attention == "flash":
         # flash-attn is CUDA-only; PyTorch's SDPA flash kernel keeps the same tensors (no seq x seq scores).
         attention = "sdpa"
@@ -257,18 +257,18 @@ def trace_estimate(cfg: RunConfig, device: str | torch.device | None = None, pad
         with tracker:
             tracker.tag_module(model)
             for step in range(1, TRACED_STEPS + 1):
-                micro_batches = [fake_batch(cfg, padded) for _ in range(cfg.grad_accum)]
+                micro_batches = [fake_batch(cfg, padded) for _ in range(cfg.batch.grad_accum)]
                 for batch in micro_batches:
                     tracker.tag(batch.values(), "activations")
                 if step < TRACED_STEPS:  # see _GradientsOnly: only the optimizer's first update
                     training_step(_GradientsOnly(params), optimizer, micro_batches, precision, tracker, params,
-                                  cfg.max_grad_norm, **{**strategies, "loss_fn": plain_loss})
+                                  cfg.optim.max_grad_norm, **{**strategies, "loss_fn": plain_loss})
                 else:
                     training_step(model, optimizer, micro_batches, precision, tracker, params,
-                                  cfg.max_grad_norm, **strategies)
+                                  cfg.optim.max_grad_norm, **strategies)
 
     peak = tracker.peak_bytes
-    if target.type == "cuda" and cfg.optimizer == "paged-adamw-8bit":
+    if target.type == "cuda" and cfg.optim.name == "paged-adamw-8bit":
         notes.append("paged-adamw-8bit: its states live in CUDA unified memory, which "
                      "max_memory_allocated does not count; they are included here")
     estimate = Estimate(peak_allocated_bytes=peak, peak_reserved_bytes=peak,

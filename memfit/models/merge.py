@@ -48,7 +48,7 @@ def save_adapter_outputs(model: nn.Module, cfg: RunConfig, out: Path) -> None:
         return
     if not has_weights(cfg.model):
         save_trained_base(model, cfg, out)
-    if cfg.merge:
+    if cfg.lora.merge:
         merge_run(out, overwrite=True)
 
 
@@ -74,9 +74,9 @@ def load_base(run_dir: Path, cfg: RunConfig) -> nn.Module:
     dtype = base_dtype(cfg)
     if (run_dir / BASE_DIR).is_dir():
         return AutoModelForCausalLM.from_pretrained(run_dir / BASE_DIR, dtype=dtype)
-    base = build_model(ModelConfig(**cfg.model.model_dump()), cfg.attention, dtype=dtype)
-    if cfg.quant != "none":
-        quantize_model(base, cfg.quant, cfg.quant_backend, compute_dtype(cfg))
+    base = build_model(ModelConfig(**cfg.model.model_dump()), cfg.memory.attention, dtype=dtype)
+    if cfg.quant.scheme != "none":
+        quantize_model(base, cfg.quant.scheme, cfg.quant.backend, compute_dtype(cfg))
         dequantize_model(base, dtype)
     return base
 

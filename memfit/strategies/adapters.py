@@ -32,8 +32,8 @@ def apply_method(model: PreTrainedModel, cfg: RunConfig, device: torch.device | 
     if cfg.method == "full":
         return model
     peft = require("peft", f"method: {cfg.method}")
-    if cfg.quant != "none":
-        quantize_model(model, cfg.quant, cfg.quant_backend, compute_dtype(cfg))
+    if cfg.quant.scheme != "none":
+        quantize_model(model, cfg.quant.scheme, cfg.quant.backend, compute_dtype(cfg))
         prepare_quantized_for_training(model)
     saved = modules_to_save(model, cfg)
     # Tied input/output embeddings stay tied when one of them is trained in full.

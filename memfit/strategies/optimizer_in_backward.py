@@ -34,7 +34,7 @@ class InBackwardUpdate:
         self._sum_squares = None  # a tensor on the parameters' device; no host sync per parameter
         self.handles = [p.register_post_accumulate_grad_hook(self._update) for p in params if p.requires_grad]
         if not self.handles:
-            raise MemfitError("optimizer_in_backward: no trainable parameters to update")
+            raise MemfitError("memory.optimizer_in_backward: no trainable parameters to update")
 
     def _update(self, param: torch.Tensor) -> None:
         squares = param.grad.detach().float().pow(2).sum()
@@ -45,7 +45,7 @@ class InBackwardUpdate:
     def __call__(self, optimizer, params, max_grad_norm) -> tuple[float, bool]:
         """Stands in for PrecisionPlan.step: the updates already happened during backward."""
         if max_grad_norm is not None:
-            raise MemfitError("optimizer_in_backward cannot clip by global norm; set max_grad_norm: null")
+            raise MemfitError("optimizer_in_backward cannot clip by global norm; set optim.max_grad_norm: null")
         from torch._subclasses.fake_tensor import FakeTensor
 
         # Under the planner's fake tensors there is no value to read.
@@ -68,19 +68,19 @@ def in_backward_update(enabled: bool, optimizer: torch.optim.Optimizer, params: 
 
 def in_backward_problems(cfg) -> list[str]:
     """Config combinations optimizer_in_backward cannot honour (reported with all other problems)."""
-    if not cfg.optimizer_in_backward:
+    if not cfg.memory.optimizer_in_backward:
         return []
     problems = []
-    if cfg.grad_accum != 1:
-        problems.append(f"optimizer_in_backward: needs grad_accum: 1 (each parameter is updated as soon as one "
-                        f"micro-batch's gradient is ready); got grad_accum={cfg.grad_accum}")
-    if cfg.max_grad_norm is not None:
-        problems.append(f"optimizer_in_backward: cannot clip by global norm (other parameters are already updated "
-                        f"when it is known); set max_grad_norm: null (got {cfg.max_grad_norm})")
+    if cfg.batch.grad_accum != 1:
+        problems.append(f"memory.optimizer_in_backward: needs batch.grad_accum: 1 (each parameter is updated as soon as one "
+                        f"micro-batch's gradient is ready); got batch.grad_accum={cfg.batch.grad_accum}")
+    if cfg.optim.max_grad_norm is not None:
+        problems.append(f"memory.optimizer_in_backward: cannot clip by global norm (other parameters are already updated "
+                        f"when it is known); set optim.max_grad_norm: null (got {cfg.optim.max_grad_norm})")
     if cfg.precision == "fp16-mixed":
-        problems.append("optimizer_in_backward: fp16-mixed's loss scaler must check every gradient before any "
+        problems.append("memory.optimizer_in_backward: fp16-mixed's loss scaler must check every gradient before any "
                         "update; use bf16-mixed or fp32")
-    if cfg.sharding != "none":
-        problems.append(f"optimizer_in_backward: not with sharding: {cfg.sharding} (the gradient must be reduced "
-                        "across ranks before the update); use sharding: none")
+    if cfg.distributed.sharding != "none":
+        problems.append(f"memory.optimizer_in_backward: not with distributed.sharding: {cfg.distributed.sharding} (the gradient must be reduced "
+                        "across ranks before the update); use distributed.sharding: none")
     return problems

@@ -29,19 +29,19 @@ def _bnb(purpose: str):
 def _adamw_8bit(params, lr, weight_decay, backend, device):
     if backend in ("auto", "bitsandbytes"):
         try:
-            return _bnb("optimizer: adamw-8bit").AdamW8bit(params, lr=lr, weight_decay=weight_decay)
+            return _bnb("optim.name: adamw-8bit").AdamW8bit(params, lr=lr, weight_decay=weight_decay)
         except ImportError:
             if backend == "bitsandbytes":
                 raise
     if backend in ("auto", "torchao"):
         # torchao compiles its 8-bit step on first use (several seconds); it runs on CPU and CUDA.
-        optim = require("torchao.optim", "optimizer: adamw-8bit (torchao backend)", install="torchao")
+        optim = require("torchao.optim", "optim.name: adamw-8bit (torchao backend)", install="torchao")
         return optim.AdamW8bit(params, lr=lr, weight_decay=weight_decay)
-    raise MemfitError(f"optimizer_backend: '{backend}' cannot run adamw-8bit; supported: {', '.join(BACKENDS_8BIT)}")
+    raise MemfitError(f"optim.backend: '{backend}' cannot run adamw-8bit; supported: {', '.join(BACKENDS_8BIT)}")
 
 
 def _paged_adamw_8bit(params, lr, weight_decay, backend, device):
-    bnb = _bnb("optimizer: paged-adamw-8bit")
+    bnb = _bnb("optim.name: paged-adamw-8bit")
     if device.type != "cuda":
         # Paging needs CUDA unified memory; on CPU the state already lives in host RAM.
         log.warning("paged-adamw-8bit: paging needs CUDA; on %s it runs as plain 8-bit AdamW", device.type)
@@ -53,8 +53,8 @@ _FACTORIES = {
     "adamw": lambda params, lr, wd, backend, device: torch.optim.AdamW(params, lr=lr, weight_decay=wd),
     "sgd": lambda params, lr, wd, backend, device: torch.optim.SGD(params, lr=lr, momentum=0.9, weight_decay=wd),
     "adafactor": lambda params, lr, wd, backend, device: torch.optim.Adafactor(params, lr=lr, weight_decay=wd),
-    "lion": lambda params, lr, wd, backend, device: _bnb("optimizer: lion").Lion(params, lr=lr, weight_decay=wd),
-    "lion-8bit": lambda params, lr, wd, backend, device: _bnb("optimizer: lion-8bit").Lion8bit(params, lr=lr, weight_decay=wd),
+    "lion": lambda params, lr, wd, backend, device: _bnb("optim.name: lion").Lion(params, lr=lr, weight_decay=wd),
+    "lion-8bit": lambda params, lr, wd, backend, device: _bnb("optim.name: lion-8bit").Lion8bit(params, lr=lr, weight_decay=wd),
     "adamw-8bit": _adamw_8bit,
     "paged-adamw-8bit": _paged_adamw_8bit,
 }
@@ -64,7 +64,7 @@ OPTIMIZERS = tuple(_FACTORIES)
 def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,
                     backend: str = "auto", device: torch.device = torch.device("cpu")) -> torch.optim.Optimizer:
     if name not in _FACTORIES:
-        raise MemfitError(f"optimizer: unknown '{name}'; allowed: {', '.join(OPTIMIZERS)}")
+        raise MemfitError(f"optim.name: unknown '{name}'; allowed: {', '.join(OPTIMIZERS)}")
     if problem := _backend_mismatch(name, backend):
         raise MemfitError(problem)
     params = [p for p in params if p.requires_grad]
@@ -76,18 +76,18 @@ def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, 
 def _backend_mismatch(name: str, backend: str) -> str | None:
     """The one check both config validation and direct callers of build_optimizer go through."""
     if backend == "torchao" and name != "adamw-8bit":
-        return f"optimizer_backend: torchao only provides adamw-8bit here, not {name}"
+        return f"optim.backend: torchao only provides adamw-8bit here, not {name}"
     return None
 
 
 def optimizer_problems(cfg) -> list[str]:
     """Config combinations no optimizer backend can run, for build_config's list of problems."""
-    if problem := _backend_mismatch(cfg.optimizer, cfg.optimizer_backend):
+    if problem := _backend_mismatch(cfg.optim.name, cfg.optim.backend):
         return [problem]
-    if cfg.optimizer_backend == "torchao" and cfg.track_memory:
+    if cfg.optim.backend == "torchao" and cfg.logging.track_memory:
         # torchao's step is torch.compile(fullgraph=True); compiled frames never run under a dispatch
         # mode such as the tracker (dynamo skips them, then refuses for the rest of the process).
-        return ["optimizer_backend: torchao's compiled 8-bit step cannot run under memfit's memory tracker; "
-                "set track_memory: false, or use optimizer_backend: bitsandbytes (or auto)"]
+        return ["optim.backend: torchao's compiled 8-bit step cannot run under memfit's memory tracker; "
+                "set logging.track_memory: false, or use optim.backend: bitsandbytes (or auto)"]
     return []
 

@@ -51,26 +51,26 @@ class QuantizationError(MemfitError):
 def quant_problems(cfg) -> list[str]:
     """Field combinations that cannot work, one message each (RunConfig validation calls this)."""
     problems = []
-    if cfg.method == "full" and cfg.quant != "none":
-        problems.append(f"quant: {cfg.quant} freezes the base weights, so it needs method: lora or qlora "
+    if cfg.method == "full" and cfg.quant.scheme != "none":
+        problems.append(f"quant: {cfg.quant.scheme} freezes the base weights, so it needs method: lora or qlora "
                         "(got method: full)")
-    if cfg.method == "qlora" and cfg.quant not in FOUR_BIT:
-        problems.append(f"quant: method: qlora needs 4-bit base weights ({', '.join(FOUR_BIT)}); got {cfg.quant} "
+    if cfg.method == "qlora" and cfg.quant.scheme not in FOUR_BIT:
+        problems.append(f"quant: method: qlora needs 4-bit base weights ({', '.join(FOUR_BIT)}); got {cfg.quant.scheme} "
                         "(for 8-bit base weights use method: lora with quant: int8)")
-    if cfg.quant_backend == "torchao" and cfg.quant not in ("none", *_SUPPORTED["torchao"]):
-        problems.append(f"quant_backend: torchao provides only nf4 / nf4-dq base weights, not {cfg.quant}; "
-                        "use quant_backend: bitsandbytes or auto")
-    if cfg.quant == "none" and cfg.quant_backend != "auto":
-        problems.append(f"quant_backend: {cfg.quant_backend} is set but quant is none; set quant or drop quant_backend")
-    if cfg.merge and cfg.method == "full":
-        problems.append("merge: true merges LoRA adapters into the base; method: full has none to merge")
+    if cfg.quant.backend == "torchao" and cfg.quant.scheme not in ("none", *_SUPPORTED["torchao"]):
+        problems.append(f"quant.backend: torchao provides only nf4 / nf4-dq base weights, not {cfg.quant.scheme}; "
+                        "use quant.backend: bitsandbytes or auto")
+    if cfg.quant.scheme == "none" and cfg.quant.backend != "auto":
+        problems.append(f"quant.backend: {cfg.quant.backend} is set but quant is none; set quant or drop quant_backend")
+    if cfg.lora.merge and cfg.method == "full":
+        problems.append("lora.merge: true merges LoRA adapters into the base; method: full has none to merge")
     return problems
 
 
 def compute_dtype(cfg) -> torch.dtype:
     """dtype the dequantized weights are multiplied in; auto follows the precision setting."""
-    if cfg.compute_dtype != "auto":
-        return _DTYPES[cfg.compute_dtype]
+    if cfg.quant.compute_dtype != "auto":
+        return _DTYPES[cfg.quant.compute_dtype]
     return {"bf16-mixed": torch.bfloat16, "bf16-pure": torch.bfloat16, "fp16-mixed": torch.float16}.get(
         cfg.precision, torch.float32)
 
@@ -99,18 +99,18 @@ def bitsandbytes_config(cfg):
     """transformers' BitsAndBytesConfig for loading real weights straight into quantized layers."""
     from transformers import BitsAndBytesConfig
 
-    if cfg.quant == "int8":
+    if cfg.quant.scheme == "int8":
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=INT8_THRESHOLD,
                                   llm_int8_skip_modules=["lm_head"])
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4" if cfg.quant == "fp4" else "nf4",
-                              bnb_4bit_use_double_quant=cfg.quant == "nf4-dq",
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4" if cfg.quant.scheme == "fp4" else "nf4",
+                              bnb_4bit_use_double_quant=cfg.quant.scheme == "nf4-dq",
                               bnb_4bit_compute_dtype=compute_dtype(cfg), llm_int8_skip_modules=["lm_head"])
 
 
 def quantized_loading(cfg, device: torch.device | None = None) -> dict:
     """from_pretrained kwargs that load real weights straight into bitsandbytes layers ({} when the
     base is not quantized or the backend is torchao, which quantizes after loading)."""
-    if cfg.method == "full" or cfg.quant == "none" or choose_backend(cfg.quant, cfg.quant_backend) != "bitsandbytes":
+    if cfg.method == "full" or cfg.quant.scheme == "none" or choose_backend(cfg.quant.scheme, cfg.quant.backend) != "bitsandbytes":
         return {}
     return {"quantization_config": bitsandbytes_config(cfg), "device_map": {"": str(device or "cpu")}}
 

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 
 from memfit.build import build_run
 from memfit.checkpoint import CHECKPOINTS_DIR, discard_checkpoints, latest_step_name
-from memfit.config import RunConfig
+from memfit.config import RunConfig, move_flat_keys
 from memfit.data.loader import build_batch_stream
 from memfit.distributed.checkpoint import unwrap
 from memfit.distributed.engine import Engine, make_engine
@@ -34,8 +34,8 @@ from memfit.units import format_bytes
 log = logging.getLogger(__name__)
 RUN_MARKERS = ("run_config.yaml", "metrics.jsonl", CHECKPOINTS_DIR)  # what says a folder already holds a run
 # Settings a resumed run may change; any other difference means the checkpoint belongs to another run.
-RESUMABLE_CHANGES = {"resume", "overwrite", "max_steps", "save_every", "keep_checkpoints", "log_every",
-                     "max_nonfinite_steps", "track_memory", "output_dir", "device"}
+RESUMABLE_CHANGES = ("resume", "overwrite", "max_steps", "checkpoints", "logging", "optim.max_nonfinite_steps",
+                     "output_dir", "device")  # config paths, or whole sections
 
 
 class NonFiniteError(MemfitError):
@@ -47,7 +47,7 @@ class BatchShape:
     """The micro-batches of the step where the measured peak happened: what its estimate is made for."""
 
     micro_batch: int  # rows of the largest micro-batch
-    seq_len: int      # its tokens per row, as padded (to the longest example, not to cfg.seq_len)
+    seq_len: int      # its tokens per row, as padded (to the longest example, not to cfg.data.seq_len)
     grad_accum: int   # micro-batches in the step (more than configured after an OOM recovery)
     padded: bool | None  # whether it holds padding (None: packed rows, left to the trace's default)
 
@@ -98,15 +98,19 @@ def check_same_run(out: Path, cfg: RunConfig) -> None:
     if not path.exists():
         return
     try:
-        before = _flatten(yaml.safe_load(path.read_text()) or {})
+        before = _flatten(move_flat_keys(yaml.safe_load(path.read_text()) or {}, str(path)))
     except yaml.YAMLError:
         raise MemfitError(f"resume=true: {path} is not valid YAML; it cannot tell which run this is") from None
     now = _flatten(cfg.model_dump(mode="json"))
     changed = [f"{key}: {before[key]!r} there, {now[key]!r} now" for key in sorted(set(before) & set(now))
-               if before[key] != now[key] and key.split(".")[0] not in RESUMABLE_CHANGES]
+               if before[key] != now[key] and not resumable(key)]
     if changed:
         raise MemfitError(f"resume=true: {path} describes a different run ({'; '.join(changed)}); "
                           "resume with the same settings, or use another output_dir")
+
+
+def resumable(path: str) -> bool:
+    return any(path == allowed or path.startswith(allowed + ".") for allowed in RESUMABLE_CHANGES)
 
 
 def _flatten(tree: dict, prefix: str = "") -> dict:
@@ -129,7 +133,7 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
     run = build_run(cfg, device, on_meta=engine.builds_on_meta, place_on=engine.place_on, wrap=engine.wrap)
     model, optimizer = run.model, run.optimizer
     precision = engine.precision(model, run.precision)
-    scheduler = make_scheduler(engine.torch_optimizer(optimizer), cfg.lr_schedule, cfg.warmup_steps, cfg.max_steps)
+    scheduler = make_scheduler(engine.torch_optimizer(optimizer), cfg.optim, cfg.max_steps)
     out = engine.on_main_first(prepare_output_dir)
     state = engine.resume(out, model, optimizer, scheduler, precision.scaler, stream)
     tracker = make_tracker(cfg)  # a MemoryBudget (OOM above memory_budget) when set
@@ -142,13 +146,13 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
                desc="training", unit="step", disable=not (progress and engine.is_main))
     nonfinite_in_row, peak_shape = 0, None
     config = cfg.model_dump(mode="json")
-    with tracker, StopOnSignal() as stop, MetricsLog(out, cfg.report_to, config, engine.is_main) as metrics:
+    with tracker, StopOnSignal() as stop, MetricsLog(out, cfg.logging.report_to, config, engine.is_main) as metrics:
         tracker.tag_module(model)
         for step in bar:
             started, peak_before = time.perf_counter(), tracker.peak_bytes
-            micro_batches = next_micro_batches(stream, cfg.grad_accum, device, tracker)
+            micro_batches = next_micro_batches(stream, cfg.batch.grad_accum, device, tracker)
             result = oom.run(lambda pieces: training_step(
-                model, optimizer, pieces, precision, tracker, run.params, cfg.max_grad_norm,
+                model, optimizer, pieces, precision, tracker, run.params, cfg.optim.max_grad_norm,
                 target_count=engine.target_count, **strategies), micro_batches, optimizer)
             if tracker.peak_bytes > peak_before:  # the same pieces oom.run just trained on
                 peak_shape = BatchShape.of(split_batches(micro_batches, oom.micro_batch))
@@ -168,14 +172,14 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
             check_finite(step, nonfinite_in_row, cfg, out)
             # Checkpoint on schedule, at the end, or when asked to stop; never inside a non-finite streak.
             if stop.requested or (not nonfinite_in_row and (step == cfg.max_steps or (
-                    cfg.save_every and step % cfg.save_every == 0))):
+                    cfg.checkpoints.every and step % cfg.checkpoints.every == 0))):
                 state.step, state.data = step, stream.state_dict()
                 saved = engine.save(out, state, model, optimizer, scheduler, precision.scaler)
             if stop.requested and step < cfg.max_steps:
                 raise TrainingStopped(f"{stop.name} received; checkpoint of step {step} saved in {saved}; "
                                       "continue with resume=true", stop.signum)
     report = measured_report(tracker, device)
-    if cfg.track_memory and engine.traced:  # the plan beside the measurement (trace.py)
+    if cfg.logging.track_memory and engine.traced:  # the plan beside the measurement (trace.py)
         add_estimate(report, cfg, device, peak_shape)
     finish(engine, model, tokenizer, out, report)
     return RunResult(out, state.losses, report)
@@ -197,7 +201,7 @@ def log_step(metrics: MetricsLog, bar, cfg: RunConfig, step: int, result, lr: fl
                     "(%d in a row, %d in this run)", step, result.loss, nonfinite_in_row, nonfinite_total)
     tokens_per_s = result.tokens / step_time_s
     bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{tokens_per_s:,.0f}", peak=format_bytes(tracker.peak_bytes))
-    if step % cfg.log_every == 0 or step in (1, cfg.max_steps):
+    if step % cfg.logging.every == 0 or step in (1, cfg.max_steps):
         metrics.write({
             "step": step, "loss": result.loss, "lr": lr, "grad_norm": result.grad_norm,
             "skipped": result.skipped, "nonfinite": result.nonfinite, "tokens_per_s": round(tokens_per_s, 1),
@@ -214,12 +218,12 @@ def log_eval(metrics: MetricsLog, bar, step: int, scores) -> None:
 
 def check_finite(step: int, nonfinite_in_row: int, cfg: RunConfig, out: Path) -> None:
     """Stop after max_nonfinite_steps NaN/inf steps in a row, pointing at the last good checkpoint."""
-    if nonfinite_in_row < cfg.max_nonfinite_steps:
+    if nonfinite_in_row < cfg.optim.max_nonfinite_steps:
         return
     last = latest_step_name(out / CHECKPOINTS_DIR)
     raise NonFiniteError(
         f"step {step}: loss or gradients were NaN/inf for {nonfinite_in_row} steps in a row (steps "
-        f"{step - nonfinite_in_row + 1}-{step}, max_nonfinite_steps={cfg.max_nonfinite_steps}); stopped. "
+        f"{step - nonfinite_in_row + 1}-{step}, optim.max_nonfinite_steps={cfg.optim.max_nonfinite_steps}); stopped. "
         f"Last good checkpoint: {out / CHECKPOINTS_DIR / last if last else 'none'}. "
         "Lower lr or check the data, then resume=true")
 
@@ -256,9 +260,9 @@ def add_estimate(report: MemoryReport, cfg: RunConfig, device: torch.device, sha
         worst = trace_estimate(cfg, device=device.type)
         at_peak = worst
         if shape is not None:
-            measured = cfg.model_copy(update={"seq_len": shape.seq_len, "micro_batch": shape.micro_batch,
-                                              "grad_accum": shape.grad_accum})
-            default_padded = cfg.micro_batch > 1 or cfg.packing  # what the worst-case trace assumed
+            measured = cfg.updated({"data.seq_len": shape.seq_len, "batch.micro_batch": shape.micro_batch,
+                                    "batch.grad_accum": shape.grad_accum})
+            default_padded = cfg.batch.micro_batch > 1 or cfg.data.packing  # what the worst-case trace assumed
             if measured != cfg or shape.padded not in (None, default_padded):
                 at_peak = trace_estimate(measured, device=device.type, padded=shape.padded)
     except Exception as exc:  # noqa: BLE001 - never lose a finished training run to its estimate
@@ -270,4 +274,4 @@ def add_estimate(report: MemoryReport, cfg: RunConfig, device: torch.device, sha
     if shape is not None:
         report.estimated_shape = {"micro_batch": shape.micro_batch, "seq_len": shape.seq_len,
                                   "grad_accum": shape.grad_accum}
-    report.worst_case_seq_len, report.worst_case_peak_bytes = cfg.seq_len, worst.peak_allocated_bytes
+    report.worst_case_seq_len, report.worst_case_peak_bytes = cfg.data.seq_len, worst.peak_allocated_bytes

@@ -48,16 +48,16 @@ class MemoryBudget(MemoryTracker):
             self._snapshot_if_pending()
             self.current_bytes += nbytes
             raise torch.OutOfMemoryError(
-                f"memory_budget: allocating {format_bytes(nbytes)} would hold "
+                f"memory.limit: allocating {format_bytes(nbytes)} would hold "
                 f"{format_bytes(self.current_bytes)}, above the budget of {format_bytes(self.limit_bytes)}")
         super()._add(nbytes)
 
 
 def make_tracker(cfg):
     """The run's tracker: a MemoryBudget when memory_budget is set, else as track_memory says."""
-    if cfg.memory_budget is not None:
-        return MemoryBudget(cfg.memory_budget_bytes)
-    return MemoryTracker() if cfg.track_memory else NullTracker()
+    if cfg.memory.limit is not None:
+        return MemoryBudget(cfg.memory.limit_bytes)
+    return MemoryTracker() if cfg.logging.track_memory else NullTracker()
 
 
 def smaller_split(micro_batch: int) -> int:
@@ -103,9 +103,9 @@ class OomRecovery:
     def for_run(cls, cfg) -> "OomRecovery":
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         reason = ("optimizer_in_backward already updated part of the model when the OOM struck" if
-                  cfg.optimizer_in_backward else "a distributed run cannot change one rank's batch alone"
+                  cfg.memory.optimizer_in_backward else "a distributed run cannot change one rank's batch alone"
                   if distributed else "")
-        return cls(cfg.micro_batch, cfg.grad_accum, enabled=not reason, reason_disabled=reason)
+        return cls(cfg.batch.micro_batch, cfg.batch.grad_accum, enabled=not reason, reason_disabled=reason)
 
     def run(self, step_fn: Callable[[list[dict]], object], micro_batches: list[dict], optimizer) -> object:
         while True:
@@ -161,8 +161,8 @@ def evaluate_with_retry(eval_fn: Callable[[dict], tuple[torch.Tensor, int]], bat
 
 def memory_available_bytes(cfg, device: torch.device) -> tuple[int, str]:
     """What micro_batch: auto must fit under, and where that number comes from."""
-    if cfg.memory_budget is not None:
-        return cfg.memory_budget_bytes, f"memory_budget {cfg.memory_budget}"
+    if cfg.memory.limit is not None:
+        return cfg.memory.limit_bytes, f"memory.limit {cfg.memory.limit}"
     planner_budget = cfg.budget  # the planner's GPU budget, when given as a size
     if planner_budget not in (None, "auto"):
         return parse_bytes(planner_budget), f"budget {planner_budget}"
@@ -175,7 +175,7 @@ def memory_available_bytes(cfg, device: torch.device) -> tuple[int, str]:
 
 
 def fits(cfg, micro_batch: int, budget_bytes: int, device: torch.device, estimate_fn) -> bool:
-    estimate = estimate_fn(cfg.model_copy(update={"micro_batch": micro_batch}), device.type)
+    estimate = estimate_fn(cfg.updated({"batch.micro_batch": micro_batch}), device.type)
     return estimate.peak_reserved_bytes <= budget_bytes
 
 
@@ -183,13 +183,13 @@ def resolve_micro_batch(cfg, device: torch.device, estimate_fn=None, limit: int 
     """cfg unchanged unless micro_batch is 'auto'; then a copy with the largest micro-batch whose
     traced estimate (the planner's own fake run of this step) fits the budget.
     Doubling, then bisection: about 2 log2(answer) traced steps."""
-    if cfg.micro_batch != "auto":
+    if cfg.batch.micro_batch != "auto":
         return cfg
     if estimate_fn is None:
         estimate_fn = lambda c, dev: trace_estimate(c, dev)  # noqa: E731
     budget, source = memory_available_bytes(cfg, device)
     if not fits(cfg, 1, budget, device, estimate_fn):
-        raise MemfitError(f"micro_batch: auto: even one sequence of seq_len {cfg.seq_len} does not fit in "
+        raise MemfitError(f"batch.micro_batch: auto: even one sequence of seq_len {cfg.data.seq_len} does not fit in "
                           f"{format_bytes(budget)} ({source}); see `memfit plan` for strategies that fit")
     low, high = 1, 2  # low fits; find a high that does not
     while high <= limit and fits(cfg, high, budget, device, estimate_fn):
@@ -198,5 +198,5 @@ def resolve_micro_batch(cfg, device: torch.device, estimate_fn=None, limit: int 
     while high - low > 1:
         middle = (low + high) // 2
         low, high = (middle, high) if fits(cfg, middle, budget, device, estimate_fn) else (low, middle)
-    log.info("micro_batch: auto -> %d (largest that fits %s, %s)", low, format_bytes(budget), source)
-    return cfg.model_copy(update={"micro_batch": low})
+    log.info("batch.micro_batch: auto -> %d (largest that fits %s, %s)", low, format_bytes(budget), source)
+    return cfg.updated({"batch.micro_batch": low})

@@ -7,7 +7,10 @@ import math
 import torch
 
 
-def make_scheduler(optimizer: torch.optim.Optimizer, schedule: str, warmup_steps: int, max_steps: int):
+def make_scheduler(optimizer: torch.optim.Optimizer, optim, max_steps: int):
+    """Linear warm-up over optim.warmup_steps, then optim.schedule down to 10% of the peak lr at max_steps."""
+    schedule, warmup_steps = optim.schedule, optim.warmup_steps
+
     def factor(step: int) -> float:
         if step < warmup_steps:
             return (step + 1) / (warmup_steps + 1)

@@ -42,10 +42,10 @@ def _train(out: Path, ds: dict, *overrides: str) -> tuple[list[dict], dict]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "DS_ACCELERATOR")}
     env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TRANSFORMERS_VERBOSITY="error")
     command = [sys.executable, "-m", "memfit", "train", str(ROOT / "memfit/configs/deepspeed_zero2.yaml"),
-               f"output_dir={out}", "overwrite=true", f"max_steps={STEPS}", "warmup_steps=0", "device=cuda",
-               "save_every=0", "log_every=1", "data.limit=64", "--no-progress", *overrides]
+               f"output_dir={out}", "overwrite=true", f"max_steps={STEPS}", "optim.warmup_steps=0", "device=cuda",
+               "checkpoints.every=0", "logging.every=1", "data.limit=64", "--no-progress", *overrides]
     if ds is not None:
-        command.append(f"deepspeed={config}")
+        command.append(f"distributed.deepspeed={config}")
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -63,7 +63,7 @@ def test_half_precision_engines_train_like_memfit(tmp_path, precision):
         pytest.skip("this GPU has no bfloat16")
     ds = {**ZERO2, "fp16": {"enabled": "auto", "initial_scale_power": 8}}
     engine, _ = _train(tmp_path / "deepspeed", ds, f"precision={precision}")
-    plain, _ = _train(tmp_path / "memfit", None, f"precision={precision}", "deepspeed=null")
+    plain, _ = _train(tmp_path / "memfit", None, f"precision={precision}", "distributed.deepspeed=null")
     # fp16 may skip the first steps while the loss scale settles (skipped: true, like memfit's GradScaler)
     applied = [m for m in engine if not m["skipped"]]
     assert applied and all(torch.isfinite(torch.tensor(m["loss"])) for m in engine)
@@ -79,8 +79,8 @@ def test_zero3_cpu_adam_offload_lowers_the_device_peak(tmp_path):
     offload = {"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu", "pin_memory": True},
                                      "offload_optimizer": {"device": "cpu", "pin_memory": True}},
                "optimizer": {"type": "AdamW", "params": {"lr": "auto"}}}  # DeepSpeedCPUAdam when offloading
-    plain_metrics, plain = _train(tmp_path / "zero3", zero3, "checkpointing=none")
-    off_metrics, off = _train(tmp_path / "offload", offload, "checkpointing=none")
+    plain_metrics, plain = _train(tmp_path / "zero3", zero3, "memory.checkpointing=none")
+    off_metrics, off = _train(tmp_path / "offload", offload, "memory.checkpointing=none")
     assert off["cuda_max_allocated_bytes"] < plain["cuda_max_allocated_bytes"]
     assert [m["loss"] for m in off_metrics] == pytest.approx([m["loss"] for m in plain_metrics], rel=2e-2)
 
@@ -94,6 +94,6 @@ def test_nvme_offload(tmp_path):
                                 "offload_optimizer": {"device": "nvme", "nvme_path": str(nvme)}},
           "optimizer": {"type": "AdamW", "params": {"lr": "auto"}},
           "aio": {"block_size": 1048576, "queue_depth": 8, "single_submit": False, "overlap_events": True}}
-    metrics, _ = _train(tmp_path / "run", ds, "checkpointing=none")
+    metrics, _ = _train(tmp_path / "run", ds, "memory.checkpointing=none")
     assert metrics[-1]["loss"] < metrics[0]["loss"]
     assert any(nvme.rglob("*")), "DeepSpeed wrote nothing to the NVMe path"

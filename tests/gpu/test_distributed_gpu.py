@@ -24,7 +24,7 @@ def _run(out: Path, *overrides: str) -> list[dict]:
         port = s.getsockname()[1]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
                "-m", "memfit", "train", str(ROOT / "memfit/configs/demo.yaml"), f"output_dir={out}",
-               "overwrite=true", "max_steps=2", "device=cuda", "save_every=0", "optimizer=adamw", "--no-progress",
+               "overwrite=true", "max_steps=2", "device=cuda", "checkpoints.every=0", "optim.name=adamw", "--no-progress",
                *overrides]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
@@ -33,7 +33,7 @@ def _run(out: Path, *overrides: str) -> list[dict]:
 
 
 def test_offload_lowers_the_device_peak(tmp_path):
-    plain = _run(tmp_path / "zero3", "sharding=zero3")
-    offload = _run(tmp_path / "offload", "sharding=zero3", "offload=all")
+    plain = _run(tmp_path / "zero3", "distributed.sharding=zero3")
+    offload = _run(tmp_path / "offload", "distributed.sharding=zero3", "distributed.offload=all")
     for a, b in zip(plain, offload):
         assert b["cuda_max_allocated_bytes"] < a["cuda_max_allocated_bytes"]

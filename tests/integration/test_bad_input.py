@@ -27,9 +27,9 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 BEGIN, END = "<!-- bad-input-table:begin -->", "<!-- bad-input-table:end -->"
 UPDATE = os.environ.get("MEMFIT_UPDATE_DOCS") == "1"
 
-BASE = {"model": "memfit/tiny-llama", "data": {"path": "texts.jsonl", "format": "text"}, "precision": "fp32",
-        "optimizer": "adamw", "micro_batch": 2, "seq_len": 32, "max_steps": 2, "warmup_steps": 0,
-        "save_every": 1, "log_every": 1, "device": "cpu", "track_memory": False}
+BASE = {"model": "memfit/tiny-llama", "data": {"path": "texts.jsonl", "format": "text", "seq_len": 32},
+        "precision": "fp32", "optim": {"name": "adamw", "warmup_steps": 0}, "batch": {"micro_batch": 2},
+        "max_steps": 2, "checkpoints": {"every": 1}, "logging": {"every": 1, "track_memory": False}, "device": "cpu"}
 
 
 @dataclass
@@ -113,7 +113,7 @@ def _damaged_checkpoint(tmp: Path) -> list[str]:
 
 CASES = [
     Case("unknown-field", "unknown config field `micro_bach=2`", ["micro_bach=2"], mentions=("micro_bach", "micro_batch")),
-    Case("invalid-values", "two invalid values at once: `lr=-1 precision=fp8`", ["lr=-1", "precision=fp8"],
+    Case("invalid-values", "two invalid values at once: `optim.lr=-1 precision=fp8`", ["optim.lr=-1", "precision=fp8"],
          mentions=("lr:", "precision:", "2 problem(s)")),
     Case("yaml-syntax", "config file that is not valid YAML", setup=lambda t: _cfg_file(t, "model: [unclosed\nlr: 1\n"),
          mentions=("config.yaml", "line")),
@@ -135,9 +135,9 @@ CASES = [
          mentions=("distilbert", "not a causal language model")),
     Case("model-pickled-weights", "pytorch_model.bin holding pickled objects besides tensors", setup=_pickled_weights,
          mentions=("pickled", "safetensors")),
-    Case("strategy-backend", "incompatible strategy mix: `optimizer=lion optimizer_backend=torchao`",
-         ["optimizer=lion", "optimizer_backend=torchao"], mentions=("optimizer_backend", "lion")),
-    Case("strategy-offload", "incompatible strategy mix: `offload=all` without sharding", ["offload=all"],
+    Case("strategy-backend", "incompatible strategy mix: `optim.name=lion optim.backend=torchao`",
+         ["optim.name=lion", "optim.backend=torchao"], mentions=("optim.backend", "lion")),
+    Case("strategy-offload", "incompatible strategy mix: `distributed.offload=all` without sharding", ["distributed.offload=all"],
          mentions=("offload", "sharding")),
     Case("data-missing", "data path that does not exist", ["data.path=/nonexistent/data.jsonl"],
          mentions=("data.path", "/nonexistent/data.jsonl")),

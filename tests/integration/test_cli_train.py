@@ -31,8 +31,8 @@ def test_train_on_a_local_model_folder_writes_every_output(tmp_path, saved_model
     config = tmp_path / "run.yaml"
     config.write_text(f"model: {folder}\ndata:\n  path: builtin:demo\n  limit: 128\nseq_len: 128\n")
     out = tmp_path / "out"
-    code = main(["train", str(config), f"output_dir={out}", "max_steps=6", "micro_batch=4", "log_every=2",
-                 "precision=bf16-mixed", "checkpointing=full", "--no-progress"])
+    code = main(["train", str(config), f"output_dir={out}", "max_steps=6", "batch.micro_batch=4", "logging.every=2",
+                 "precision=bf16-mixed", "memory.checkpointing=full", "--no-progress"])
     assert code == 0
     for name in ("model.safetensors", "run_config.yaml", "metrics.jsonl", "memory_report.txt", "memory_report.json",
                  "tokenizer.json"):
@@ -57,7 +57,7 @@ def test_weights_category_counts_every_parameter_once(tmp_path, saved_model):
     empty = tmp_path / "empty.yaml"
     empty.write_text("")
     code = main(["train", str(empty), f"model={folder}", f"output_dir={tmp_path / 'o'}", "max_steps=1",
-                 "data.limit=8", "seq_len=128", "--no-progress"])
+                 "data.limit=8", "data.seq_len=128", "--no-progress"])
     assert code == 0
     report = json.loads((tmp_path / "o" / "memory_report.json").read_text())
     model = build_model(ModelConfig(name=str(folder)))
@@ -76,10 +76,10 @@ def test_demo_runs_and_reports_by_category(tmp_path, monkeypatch, capsys):
 
 def test_bad_config_exits_2_with_every_problem_and_no_traceback(tmp_path):
     config = tmp_path / "bad.yaml"
-    config.write_text("precision: fp8\noptimizer: adam\n")
+    config.write_text("precision: fp8\noptim:\n  name: adam\n")
     done = subprocess.run([sys.executable, "-m", "memfit", "train", str(config)], capture_output=True, text=True)
     assert done.returncode == 2
-    assert "precision: got 'fp8'" in done.stderr and "optimizer: got 'adam'" in done.stderr
+    assert "precision: got 'fp8'" in done.stderr and "optim.name: got 'adam'" in done.stderr
     assert "Traceback" not in done.stderr
 
 

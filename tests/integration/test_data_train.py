@@ -26,17 +26,17 @@ def losses(tmp_path):
 @pytest.mark.slow
 def test_prepare_then_train_packed(tmp_path, capsys):
     config = write_config(tmp_path, path="builtin:demo", num_workers=2, prepared_dir=str(tmp_path / "prepared"))
-    assert main(["data", "prepare", str(config), "packing=true", "seq_len=256", "--no-progress"]) == 0
+    assert main(["data", "prepare", str(config), "data.packing=true", "data.seq_len=256", "--no-progress"]) == 0
     printed = capsys.readouterr().out
     assert "records read: 2,000; examples: 2,000; rows stored: " in printed
     assert "tokens per example: min " in printed and "p95" in printed and "peak RSS: main process" in printed
     meta = json.loads((tmp_path / "prepared" / "meta.json").read_text())
     assert meta["packing"] is True and meta["report"]["rows"] < 2000  # several examples per 256-token row
-    assert main(["train", str(config), "packing=true", "seq_len=256", "--no-progress"]) == 0
+    assert main(["train", str(config), "data.packing=true", "data.seq_len=256", "--no-progress"]) == 0
     trained = losses(tmp_path)
     assert trained[-1] < trained[0]
     # A config that does not match the prepared data is refused with the reason.
-    assert main(["train", str(config), "seq_len=128", "packing=true", "overwrite=true", "--no-progress"]) == 2
+    assert main(["train", str(config), "data.seq_len=128", "data.packing=true", "overwrite=true", "--no-progress"]) == 2
     assert "seq_len: prepared with 256, config has 128" in capsys.readouterr().err
 
 

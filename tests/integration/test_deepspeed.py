@@ -68,13 +68,13 @@ RUNS = {  # name -> (JSON, overrides, single-process reference)
     "zero2": ("shipped", [], "single"),  # memfit's own AdamW handed to DeepSpeed
     "zero3": ("zero3", [], "single"),
     # accumulation counted by DeepSpeed; memfit's warm-up + cosine schedule drives DeepSpeed's optimizer
-    "zero2_accum": ("shipped", ["grad_accum=2", "warmup_steps=1", "lr_schedule=cosine"], "single_accum"),
+    "zero2_accum": ("shipped", ["batch.grad_accum=2", "optim.warmup_steps=1", "optim.schedule=cosine"], "single_accum"),
     "zero3_offload": ("zero3_offload", [], "single"),
     "zero3_bf16": ("zero3", ["precision=bf16-mixed"], "single_bf16"),
     "zero2_lora": ("shipped", ["method=lora"], "single_lora"),
     "zero3_saved": ("zero3", ["model={saved}"], "single_saved"),  # from_pretrained of a safetensors folder
 }
-SINGLE = {"single": [], "single_accum": ["grad_accum=2", "warmup_steps=1", "lr_schedule=cosine"],
+SINGLE = {"single": [], "single_accum": ["batch.grad_accum=2", "optim.warmup_steps=1", "optim.schedule=cosine"],
           "single_bf16": ["precision=bf16-mixed"], "single_lora": ["method=lora"], "single_saved": ["model={saved}"]}
 
 WORKER = '''
@@ -155,7 +155,7 @@ def runs(tmp_path_factory):
     for name, content in USER_JSON.items():
         paths[name] = root / f"{name}.json"
         paths[name].write_text(json.dumps(content, indent=1))
-    (root / "runs.txt").write_text("".join(f"{name} deepspeed={paths[js]} micro_batch=1 {' '.join(extra)}\n"
+    (root / "runs.txt").write_text("".join(f"{name} distributed.deepspeed={paths[js]} batch.micro_batch=1 {' '.join(extra)}\n"
                                            .format(saved=saved) for name, (js, extra, _) in RUNS.items()))
     (root / "worker.py").write_text(WORKER)
 
@@ -243,8 +243,8 @@ def test_command_line_checkpoints_and_resumes(runs, tmp_path):
 
     root, config, paths, _ = runs
     out = tmp_path / "cli"
-    common = [str(config), f"output_dir={out}", f"deepspeed={paths['zero3']}", "micro_batch=1", "--no-progress"]
-    first = _torchrun("-m", "memfit", "train", *common, f"max_steps={STEPS - 1}", "save_every=1")
+    common = [str(config), f"output_dir={out}", f"distributed.deepspeed={paths['zero3']}", "batch.micro_batch=1", "--no-progress"]
+    first = _torchrun("-m", "memfit", "train", *common, f"max_steps={STEPS - 1}", "checkpoints.every=1")
     assert first.returncode == 0, first.stderr[-4000:]
     saved = sorted((out / "checkpoints").glob("deepspeed-step-*"))
     assert [p.name for p in saved] == ["deepspeed-step-00000001", "deepspeed-step-00000002"]

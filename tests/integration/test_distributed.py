@@ -37,13 +37,13 @@ TIMEOUT_S = 420            # a hung rank fails the test instead of hanging CI
 STEPS = 3
 
 ENGINES = {  # name -> overrides; data-parallel engines use micro_batch 1 per rank (2 ranks = 2)
-    "ddp": ["sharding=ddp", "micro_batch=1"],
-    "zero1": ["sharding=zero1", "micro_batch=1"],
-    "zero2": ["sharding=zero2", "micro_batch=1"],
-    "zero3": ["sharding=zero3", "micro_batch=1"],
-    "zero3_offload": ["sharding=zero3", "offload=all", "micro_batch=1"],
-    "tp2": ["tensor_parallel=2"],
-    "pp2": ["pipeline_parallel=2", "max_grad_norm=null"],
+    "ddp": ["distributed.sharding=ddp", "batch.micro_batch=1"],
+    "zero1": ["distributed.sharding=zero1", "batch.micro_batch=1"],
+    "zero2": ["distributed.sharding=zero2", "batch.micro_batch=1"],
+    "zero3": ["distributed.sharding=zero3", "batch.micro_batch=1"],
+    "zero3_offload": ["distributed.sharding=zero3", "distributed.offload=all", "batch.micro_batch=1"],
+    "tp2": ["distributed.tensor_parallel=2"],
+    "pp2": ["distributed.pipeline_parallel=2", "optim.max_grad_norm=null"],
 }
 
 WORKER = '''
@@ -232,8 +232,8 @@ def test_command_line_checkpoints_and_resumes_on_fewer_ranks(runs, tmp_path, sha
     states by parameter name, and the single rank finds all of them."""
     root, config, single, _ = runs
     out = tmp_path / "cli"
-    first = _torchrun("-m", "memfit", "train", str(config), f"output_dir={out}", f"sharding={sharding}",
-                      "micro_batch=1", f"max_steps={STEPS - 1}", "save_every=1", "--no-progress")
+    first = _torchrun("-m", "memfit", "train", str(config), f"output_dir={out}", f"distributed.sharding={sharding}",
+                      "batch.micro_batch=1", f"max_steps={STEPS - 1}", "checkpoints.every=1", "--no-progress")
     assert first.returncode == 0, first.stderr[-4000:]
     assert (out / "model.safetensors").exists() and (out / "config.json").exists()
     saved = sorted((out / "checkpoints").glob("sharded-step-*"))
@@ -243,7 +243,7 @@ def test_command_line_checkpoints_and_resumes_on_fewer_ranks(runs, tmp_path, sha
     # is now 1 sequence, so step 3 differs from the 2-rank run's; the earlier steps are kept.)
     env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     resumed = subprocess.run([sys.executable, "-m", "memfit", "train", str(config), f"output_dir={out}",
-                              f"sharding={sharding}", "micro_batch=1", f"max_steps={STEPS}", "resume=true", "overwrite=false",
+                              f"distributed.sharding={sharding}", "batch.micro_batch=1", f"max_steps={STEPS}", "resume=true", "overwrite=false",
                               "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -277,8 +277,8 @@ def test_pipeline_checkpoint_resumes(runs, tmp_path):
     restored Adam moments: a fresh optimizer's first update is a different size)."""
     root, config, single, _ = runs
     out = tmp_path / "pp"
-    common = [str(config), f"output_dir={out}", "pipeline_parallel=2", "max_grad_norm=null", "--no-progress"]
-    first = _torchrun("-m", "memfit", "train", *common, "max_steps=1", "save_every=1")
+    common = [str(config), f"output_dir={out}", "distributed.pipeline_parallel=2", "optim.max_grad_norm=null", "--no-progress"]
+    first = _torchrun("-m", "memfit", "train", *common, "max_steps=1", "checkpoints.every=1")
     assert first.returncode == 0, first.stderr[-4000:]
     resumed = _torchrun("-m", "memfit", "train", *common, f"max_steps={STEPS}", "resume=true", "overwrite=false")
     assert resumed.returncode == 0, resumed.stderr[-4000:]

@@ -37,7 +37,7 @@ def test_json_write_config_and_train_one_step(tmp_path, capsys):
     recommendation = result["recommendation"]
     assert recommendation is not None
     cfg = load_config(path, [f"output_dir={tmp_path / 'run'}", "max_steps=1", "data.limit=16", "device=cpu"])
-    assert cfg.method == recommendation["method"] and cfg.micro_batch == recommendation["micro_batch"]
+    assert cfg.method == recommendation["method"] and cfg.batch.micro_batch == recommendation["batch"]["micro_batch"]
     run = train(cfg, progress=False)
     assert len(run.losses) == 1 and run.losses[0] > 0
 
@@ -51,7 +51,7 @@ def test_chart_is_a_png(tmp_path):
 @pytest.mark.parametrize("args, message", [
     (["--gpus", "0"], "--gpus"), (["--budget", "0"], "--budget"), (["--gpu", "GTX 9999"], "RTX 4090"),
     (["--method", "qlora", "--quant", "none"], "quant"),
-    (["--optimizer-in-backward", "--set", "max_grad_norm=1.0"], "max_grad_norm"),
+    (["--optimizer-in-backward", "--set", "optim.max_grad_norm=1.0"], "max_grad_norm"),
     (["--write-config", "no/such/dir/x.yaml"], "does not exist"),
 ])
 def test_bad_options_are_one_clear_error(args, message, capsys):
@@ -74,13 +74,13 @@ def test_train_with_a_budget_lets_the_planner_choose(tmp_path):
     from memfit.models.presets import load_preset_config
 
     overrides = [f"output_dir={tmp_path / 'run'}", "max_steps=1", "data.limit=16", "device=cpu",
-                 "micro_batch=8", "seq_len=512", "budget=40MiB"]
+                 "batch.micro_batch=8", "data.seq_len=512", "budget=40MiB"]
     cfg = load_config(None, overrides)
     config = load_preset_config("memfit/tiny-llama")
     assert device_total_bytes(analytic_estimate(cfg, config, "cpu")) > 40 * 2**20  # as configured: too big
     run = train(cfg, progress=False)
     chosen = load_config(tmp_path / "run" / "run_config.yaml")
-    assert chosen.budget is None and chosen != cfg.model_copy(update={"budget": None})
+    assert chosen.budget is None and chosen != cfg.updated({"budget": None})
     assert device_total_bytes(analytic_estimate(chosen, config, "cpu")) <= 40 * 2**20
     assert len(run.losses) == 1
 

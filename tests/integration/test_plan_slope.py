@@ -11,7 +11,7 @@ activation_offload is not covered: on CPU it is a no-op (the saved tensors alrea
 RAM) and beyond_basics_terms only applies it for device="cuda", so a CPU slope says nothing about it.
 
 The model is tiny-llama reshaped so that activations dominate the model states (4 layers, hidden 32,
-2 heads, intermediate 88, vocab 512: 66 k parameters): at micro_batch=2 and seq_len=1024 the part of
+2 heads, intermediate 88, vocab 512: 66 k parameters): at batch.micro_batch=2 and data.seq_len=1024 the part of
 the peak that grows with seq_len is 67-73 % of it (checked below), and every op stays cheap.
 Batches are synthetic full-length sequences (micro_batch x seq_len tokens, checked below), so
 the measured batch really is seq_len long (the shipped demo records are shorter than 1024 tokens).
@@ -39,9 +39,9 @@ TOLERANCE = 0.10
 COMBINATIONS = {
     "fp32": [],
     "bf16-mixed": ["precision=bf16-mixed"],
-    "checkpointing": ["checkpointing=full"],
-    "chunked_loss": ["chunked_loss=true"],
-    "checkpointing+chunked_loss": ["checkpointing=full", "chunked_loss=true"],
+    "checkpointing": ["memory.checkpointing=full"],
+    "chunked_loss": ["memory.chunked_loss=true"],
+    "checkpointing+chunked_loss": ["memory.checkpointing=full", "memory.chunked_loss=true"],
 }
 
 @pytest.fixture(scope="module")
@@ -56,8 +56,8 @@ def wide_activation_model(tmp_path_factory):
 
 
 def _config(words: list[str], model: str, seq_len: int):
-    return load_config(None, words + [f"model={model}", f"seq_len={seq_len}", f"micro_batch={MICRO_BATCH}",
-                                      "device=cpu", "max_grad_norm=1.0"])
+    return load_config(None, words + [f"model={model}", f"data.seq_len={seq_len}", f"batch.micro_batch={MICRO_BATCH}",
+                                      "device=cpu", "optim.max_grad_norm=1.0"])
 
 
 def measured_peaks(words: list[str], model: str) -> list[int]:
@@ -82,7 +82,7 @@ def measured_peaks(words: list[str], model: str) -> list[int]:
             assert batch["input_ids"].shape == (MICRO_BATCH, seq_len)  # the real batch is seq_len long
             tracker.tag(batch.values(), "activations")
             tracker.reset_peak()
-            training_step(net, optimizer, [batch], precision, tracker, params, cfg.max_grad_norm, **strategies)
+            training_step(net, optimizer, [batch], precision, tracker, params, cfg.optim.max_grad_norm, **strategies)
             assert optimizer.state, "AdamW states must exist from the warm-up step on"
             peaks.append(tracker.peak_bytes)
             del ids, batch

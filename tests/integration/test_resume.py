@@ -134,8 +134,8 @@ def test_resume_refuses_a_different_run_and_a_contradiction(tmp_path):
     cfg, _ = config(settings, tmp_path / "run")
     loop.train(cfg, progress=False)
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
-    with pytest.raises(MemfitError, match=r"describes a different run \(lr: 0.003 there, 0.1 now\)"):
-        loop.train(config(settings, tmp_path / "run", "resume=true", "lr=0.1")[0], progress=False)
+    with pytest.raises(MemfitError, match=r"describes a different run \(optim.lr: 0.003 there, 0.1 now\)"):
+        loop.train(config(settings, tmp_path / "run", "resume=true", "optim.lr=0.1")[0], progress=False)
     with pytest.raises(MemfitError, match="set only one"):
         loop.train(config(settings, tmp_path / "run", "resume=true", "overwrite=true")[0], progress=False)
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
@@ -156,7 +156,7 @@ def test_nonfinite_streak_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_p
     Recorder(monkeypatch, nan_steps=range(5, 13))
     cfg, _ = config(run_settings(tmp_path, max_nonfinite_steps=3), tmp_path / "run")
     with pytest.raises(MemfitError, match=r"step 7: loss or gradients were NaN/inf for 3 steps in a row "
-                                          r"\(steps 5-7, max_nonfinite_steps=3\); stopped. Last good checkpoint: "
+                                          r"\(steps 5-7, optim.max_nonfinite_steps=3\); stopped. Last good checkpoint: "
                                           r".*step-00000004"):
         loop.train(cfg, progress=False)
     good = checkpoint_dirs(tmp_path / "run" / "checkpoints")

@@ -33,7 +33,7 @@ def test_shipped_demo_data(tiny_config):
     cfg = tiny_config(micro_batch=16)
     profile = length_profile(cfg)
     assert profile.records == 256  # data.limit of the fixture (below the default limit of 2000)
-    assert 0 < profile.p50 <= profile.p90 <= profile.max < cfg.seq_len  # demo examples are short
+    assert 0 < profile.p50 <= profile.p90 <= profile.max < cfg.data.seq_len  # demo examples are short
     assert profile.p50 <= profile.batch_p50 <= profile.batch_p90 <= profile.max
     assert length_profile(tiny_config(seq_len=80)).max == 80  # truncated to seq_len
     packed = length_profile(tiny_config(seq_len=512, packing=True))

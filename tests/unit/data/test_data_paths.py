@@ -30,7 +30,7 @@ def corpus(tmp_path_factory):
 
 
 def cfg_for(corpus, *overrides):
-    return load_config(None, [f"data.path={corpus}", "seq_len=64", "micro_batch=4", "seed=3", *overrides])
+    return load_config(None, [f"data.path={corpus}", "data.seq_len=64", "batch.micro_batch=4", "seed=3", *overrides])
 
 
 def ids_of(batch) -> list[int]:
@@ -93,11 +93,11 @@ def test_streaming_data_parallel_ranks_split_the_epoch(tok, corpus):
 
 @pytest.mark.parametrize("packing", [False, True])
 def test_prepared_streaming_and_in_memory_yield_the_same_examples(tok, corpus, tmp_path, packing):
-    cfg = cfg_for(corpus, f"packing={packing}", f"data.prepared_dir={tmp_path / 'prepared'}", "data.num_workers=2")
+    cfg = cfg_for(corpus, f"data.packing={packing}", f"data.prepared_dir={tmp_path / 'prepared'}", "data.num_workers=2")
     report = prepare_dataset(cfg, tok, cfg.data.prepared_dir, progress=False)
     prepared = PreparedDataset.open(cfg.data.prepared_dir, expect=cfg)
     in_memory = load_examples(cfg.data, tok, 64, packing=packing)
-    streamed = list(StreamingBatches(cfg_for(corpus, f"packing={packing}", "data.streaming=true",
+    streamed = list(StreamingBatches(cfg_for(corpus, f"data.packing={packing}", "data.streaming=true",
                                              "data.shuffle_buffer=0"), tok).epoch_items(0))
     assert [prepared[i] for i in range(len(prepared))] == in_memory == streamed
     assert report.rows == len(prepared) and report.examples == N and report.records == N
@@ -116,7 +116,7 @@ def test_training_reuses_a_prepared_dataset_and_checks_it_matches(tok, corpus, t
     lengths = batch["attention_mask"].sum(1).tolist()
     assert lengths == sorted(lengths, reverse=True)  # grouped by length within the window
     with pytest.raises(DataError, match="seq_len: prepared with 64, config has 128"):
-        build_batch_stream(cfg_for(corpus, f"data.prepared_dir={tmp_path / 'prepared'}", "seq_len=128"), tok, CPU)
+        build_batch_stream(cfg_for(corpus, f"data.prepared_dir={tmp_path / 'prepared'}", "data.seq_len=128"), tok, CPU)
     with pytest.raises(DataError, match="already exists"):
         prepare_dataset(cfg, tok, cfg.data.prepared_dir, progress=False)
     with pytest.raises(DataError, match="memfit data prepare"):

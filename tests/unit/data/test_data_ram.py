@@ -6,7 +6,7 @@ from memfit.data.ram import (IN_MEMORY_BYTES_PER_FILE_BYTE, WORKER_PROCESS_BYTES
 
 
 def cfg(path, *overrides):
-    return load_config(None, [f"data.path={path}", "seq_len=128", "micro_batch=4", *overrides])
+    return load_config(None, [f"data.path={path}", "data.seq_len=128", "batch.micro_batch=4", *overrides])
 
 
 def test_in_memory_grows_with_the_files_streaming_and_prepared_do_not(tmp_path):

@@ -34,8 +34,8 @@ AUTO = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps":
 
 
 def test_auto_values_are_filled_from_the_run_config(tmp_path):
-    cfg = load_config(None, [f"deepspeed={_json(tmp_path, AUTO)}", "micro_batch=3", "grad_accum=2",
-                             "max_grad_norm=0.5", "precision=bf16-mixed", "lr=2e-4", "weight_decay=0.1"])
+    cfg = load_config(None, [f"distributed.deepspeed={_json(tmp_path, AUTO)}", "batch.micro_batch=3", "batch.grad_accum=2",
+                             "optim.max_grad_norm=0.5", "precision=bf16-mixed", "optim.lr=2e-4", "optim.weight_decay=0.1"])
     ds = resolved_config(cfg, world_size=4, hidden_size=64)
     assert ds["train_micro_batch_size_per_gpu"] == 3
     assert ds["gradient_accumulation_steps"] == 2
@@ -50,8 +50,8 @@ def test_auto_values_are_filled_from_the_run_config(tmp_path):
 
 
 def test_missing_owned_values_are_filled_like_auto(tmp_path):
-    cfg = load_config(None, [f"deepspeed={_json(tmp_path, {'zero_optimization': {'stage': 1}})}",
-                             "micro_batch=2", "max_grad_norm=null", "precision=fp32"])
+    cfg = load_config(None, [f"distributed.deepspeed={_json(tmp_path, {'zero_optimization': {'stage': 1}})}",
+                             "batch.micro_batch=2", "optim.max_grad_norm=null", "precision=fp32"])
     ds = resolved_config(cfg, world_size=2)
     filled = (ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"])
     assert filled == (2, 1, 4)
@@ -63,8 +63,8 @@ def test_agreeing_numbers_are_accepted(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0,
           "bf16": {"enabled": False}, "fp16": {"enabled": False}, "train_batch_size": 16,
           "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "weight_decay": 0}}}
-    cfg = load_config(None, [f"deepspeed={_json(tmp_path, ds)}", "micro_batch=2", "grad_accum=4",
-                             "max_grad_norm=1", "lr=1e-3"])
+    cfg = load_config(None, [f"distributed.deepspeed={_json(tmp_path, ds)}", "batch.micro_batch=2", "batch.grad_accum=4",
+                             "optim.max_grad_norm=1", "optim.lr=1e-3"])
     assert resolved_config(cfg, world_size=2)["train_batch_size"] == 16
 
 
@@ -72,21 +72,21 @@ def test_every_contradiction_is_listed_with_both_values(tmp_path):
     ds = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 8, "gradient_clipping": 2.0,
           "bf16": {"enabled": True}, "optimizer": {"type": "AdamW", "params": {"lr": 0.01}}}
     with pytest.raises(ConfigError) as info:
-        load_config(None, [f"deepspeed={_json(tmp_path, ds)}", "micro_batch=2", "grad_accum=1",
-                           "max_grad_norm=1.0", "precision=fp32", "lr=1e-3"])
+        load_config(None, [f"distributed.deepspeed={_json(tmp_path, ds)}", "batch.micro_batch=2", "batch.grad_accum=1",
+                           "optim.max_grad_norm=1.0", "precision=fp32", "optim.lr=1e-3"])
     problems = info.value.problems
     assert len(problems) == 5, problems
     text = "\n".join(problems)
-    for both in ("train_micro_batch_size_per_gpu is 4 but the run config has micro_batch: 2",
-                 "gradient_accumulation_steps is 8 but the run config has grad_accum: 1",
-                 "gradient_clipping is 2.0 but the run config has max_grad_norm: 1.0",
+    for both in ("train_micro_batch_size_per_gpu is 4 but the run config has batch.micro_batch: 2",
+                 "gradient_accumulation_steps is 8 but the run config has batch.grad_accum: 1",
+                 "gradient_clipping is 2.0 but the run config has optim.max_grad_norm: 1.0",
                  "bf16.enabled is true but the run config has precision: fp32",
-                 "optimizer.params.lr is 0.01 but the run config has lr: 0.001"):
+                 "optimizer.params.lr is 0.01 but the run config has optim.lr: 0.001"):
         assert both in text, (both, text)
 
 
 def test_train_batch_size_is_checked_at_launch_against_the_ranks(tmp_path):
-    cfg = load_config(None, [f"deepspeed={_json(tmp_path, {'train_batch_size': 8})}", "micro_batch=2"])
+    cfg = load_config(None, [f"distributed.deepspeed={_json(tmp_path, {'train_batch_size': 8})}", "batch.micro_batch=2"])
     assert resolved_config(cfg, world_size=4)["train_batch_size"] == 8
     with pytest.raises(MemfitError, match=r"train_batch_size is 8 but micro_batch 2 x grad_accum 1 x 2 ranks = 4"):
         resolved_config(cfg, world_size=2)
@@ -100,19 +100,19 @@ def test_train_batch_size_is_checked_at_launch_against_the_ranks(tmp_path):
 def test_unreadable_files_are_reported_with_where(tmp_path, content, message):
     path = str(tmp_path / "missing.json") if content is None else _json(tmp_path, content)
     with pytest.raises(ConfigError, match=message):
-        load_config(None, [f"deepspeed={path}"])
+        load_config(None, [f"distributed.deepspeed={path}"])
 
 
 def test_fields_deepspeed_replaces_are_refused_all_at_once(tmp_path):
     with pytest.raises(ConfigError) as info:
-        load_config(None, [f"deepspeed={_json(tmp_path, {})}", "sharding=zero2", "offload=all",
-                           "tensor_parallel=2", "optimizer_in_backward=true", "grad_accum=1", "max_grad_norm=null",
-                           "activation_offload=true", "chunked_loss=true", "micro_batch=auto",
+        load_config(None, [f"distributed.deepspeed={_json(tmp_path, {})}", "distributed.sharding=zero2", "distributed.offload=all",
+                           "distributed.tensor_parallel=2", "memory.optimizer_in_backward=true", "batch.grad_accum=1", "optim.max_grad_norm=null",
+                           "memory.activation_offload=true", "memory.chunked_loss=true", "batch.micro_batch=auto",
                            "precision=bf16-pure", "method=qlora"])
     text = "\n".join(info.value.problems)
-    for field in ("sharding: zero2 with deepspeed", "offload: all with deepspeed", "tensor_parallel: 2 with deepspeed",
-                  "optimizer_in_backward: true with deepspeed", "activation_offload: true with deepspeed",
-                  "chunked_loss: true with deepspeed", "micro_batch: auto with deepspeed",
+    for field in ("distributed.sharding: zero2 with deepspeed", "distributed.offload: all with deepspeed", "distributed.tensor_parallel: 2 with deepspeed",
+                  "memory.optimizer_in_backward: true with deepspeed", "memory.activation_offload: true with deepspeed",
+                  "memory.chunked_loss: true with deepspeed", "batch.micro_batch: auto with deepspeed",
                   "precision: bf16-pure with deepspeed", "method: qlora with quant: nf4-dq"):
         assert field in text, (field, text)
 
@@ -121,18 +121,18 @@ def test_scheduler_unknown_auto_and_optimizer_clashes_are_refused(tmp_path):
     ds = {"scheduler": {"type": "WarmupLR"}, "zero_optimization": {"stage": 2, "sub_group_size": "auto"},
           "optimizer": {"type": "AdamW"}}
     with pytest.raises(ConfigError) as info:
-        load_config(None, [f"deepspeed={_json(tmp_path, ds)}", "optimizer=lion"])
+        load_config(None, [f"distributed.deepspeed={_json(tmp_path, ds)}", "optim.name=lion"])
     text = "\n".join(info.value.problems)
     assert "scheduler block" in text
     assert 'zero_optimization.sub_group_size is "auto"' in text
-    assert "optimizer block and optimizer: lion" in text
+    assert "optimizer block and optim.name: lion" in text
     with pytest.raises(ConfigError, match="ZeRO partitions plain torch optimizers only"):
-        load_config(None, [f"deepspeed={_json(tmp_path, {})}", "optimizer=adamw-8bit"])
+        load_config(None, [f"distributed.deepspeed={_json(tmp_path, {})}", "optim.name=adamw-8bit"])
 
 
 def test_two_processes_without_sharding_are_fine_under_deepspeed(tmp_path):
     plain = load_config(None, [])
-    ds = load_config(None, [f"deepspeed={_json(tmp_path, {})}"])
+    ds = load_config(None, [f"distributed.deepspeed={_json(tmp_path, {})}"])
     assert launch_problems(plain, 2) and not launch_problems(ds, 2)
     assert deepspeed_problems(plain) == []
 
@@ -141,7 +141,7 @@ def test_shipped_deepspeed_configs_resolve():
     shipped = sorted(CONFIG_DIR.glob("deepspeed*.json"))
     assert shipped
     for path in shipped:
-        cfg = load_config(None, [f"deepspeed={path}", "precision=bf16-mixed"])
+        cfg = load_config(None, [f"distributed.deepspeed={path}", "precision=bf16-mixed"])
         ds = resolved_config(cfg, world_size=2, hidden_size=128)
         assert "auto" not in json.dumps(ds), path
 
@@ -194,6 +194,6 @@ def test_a_non_finite_loss_stops_before_deepspeed_sees_it():
 
 
 def test_lora_is_refused_with_zero3_only(tmp_path):
-    assert load_config(None, [f"deepspeed={_json(tmp_path, {'zero_optimization': {'stage': 2}})}", "method=lora"])
+    assert load_config(None, [f"distributed.deepspeed={_json(tmp_path, {'zero_optimization': {'stage': 2}})}", "method=lora"])
     with pytest.raises(ConfigError, match="stage 3 with method: lora"):
-        load_config(None, [f"deepspeed={_json(tmp_path, {'zero_optimization': {'stage': 3}})}", "method=lora"])
+        load_config(None, [f"distributed.deepspeed={_json(tmp_path, {'zero_optimization': {'stage': 3}})}", "method=lora"])

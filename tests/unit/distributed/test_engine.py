@@ -35,7 +35,7 @@ def test_wrap_places_the_model_and_builds_its_optimizer_from_the_trainable_param
 def test_a_deepspeed_config_gets_the_deepspeed_engine_even_on_one_process(tmp_path):
     path = tmp_path / "ds.json"
     path.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
-    engine = make_engine(load_config(None, ["device=cpu", f"deepspeed={path}"]))
+    engine = make_engine(load_config(None, ["device=cpu", f"distributed.deepspeed={path}"]))
     assert isinstance(engine, DeepSpeed) and isinstance(engine, TorchDistributed) and not engine.traced
     plan = engine.precision(object(), make_precision("bf16-mixed", torch.device("cpu")))
     assert isinstance(plan, EnginePrecision) and plan.autocast_dtype is None

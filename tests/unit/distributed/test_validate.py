@@ -11,26 +11,26 @@ from memfit.models.loading import load_model_config
 
 def test_single_process_default_is_untouched():
     cfg = load_config(None, [])
-    assert (cfg.sharding, cfg.offload, cfg.tensor_parallel, cfg.pipeline_parallel) == ("none", "none", 1, 1)
+    assert (cfg.distributed.sharding, cfg.distributed.offload, cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel) == ("none", "none", 1, 1)
     check_launch(cfg, world_size=1, model_config=load_model_config(cfg.model)[0])  # no error
 
 
 def test_config_combinations_are_all_listed():
     with pytest.raises(ConfigError) as error:
-        load_config(None, ["sharding=ddp", "offload=optimizer", "tensor_parallel=2", "pipeline_parallel=2"])
+        load_config(None, ["distributed.sharding=ddp", "distributed.offload=optimizer", "distributed.tensor_parallel=2", "distributed.pipeline_parallel=2"])
     text = str(error.value)
     assert "5 problem(s)" in text  # the four combinations + pipeline clipping
-    assert "offload: optimizer needs sharding: zero2 or zero3" in text
+    assert "distributed.offload: optimizer needs distributed.sharding: zero2 or zero3" in text
     assert "tensor_parallel and pipeline_parallel together" in text
-    assert "with sharding: ddp is not supported" in text
+    assert "with distributed.sharding: ddp is not supported" in text
 
 
 @pytest.mark.parametrize("overrides, expected", [
-    (["sharding=zero3", "precision=fp16-mixed"], "fp16-mixed"),
-    (["sharding=zero2", "optimizer=adamw-8bit"], "adamw-8bit"),
-    (["tensor_parallel=2", "method=lora"], "method: lora"),
-    (["pipeline_parallel=2"], "max_grad_norm: null"),
-    (["offload=all"], "needs sharding: zero2 or zero3"),
+    (["distributed.sharding=zero3", "precision=fp16-mixed"], "fp16-mixed"),
+    (["distributed.sharding=zero2", "optim.name=adamw-8bit"], "adamw-8bit"),
+    (["distributed.tensor_parallel=2", "method=lora"], "method: lora"),
+    (["distributed.pipeline_parallel=2"], "optim.max_grad_norm: null"),
+    (["distributed.offload=all"], "needs distributed.sharding: zero2 or zero3"),
 ])
 def test_each_refused_combination_names_its_fields(overrides, expected):
     with pytest.raises(ConfigError, match=expected):
@@ -38,7 +38,7 @@ def test_each_refused_combination_names_its_fields(overrides, expected):
 
 
 def test_launch_checks_world_size_and_model_shape():
-    cfg = load_config(None, ["tensor_parallel=3", "max_grad_norm=null"])
+    cfg = load_config(None, ["distributed.tensor_parallel=3", "optim.max_grad_norm=null"])
     model_config = load_model_config(cfg.model)[0]  # tiny-llama: 4 heads, intermediate 352, 4 layers
     with pytest.raises(DistributedSetupError) as error:
         check_launch(cfg, world_size=2, model_config=model_config)
@@ -46,6 +46,6 @@ def test_launch_checks_world_size_and_model_shape():
     assert "needs exactly 3 processes" in text
     assert "must divide the model's num_attention_heads (4)" in text
     with pytest.raises(DistributedSetupError, match="needs at least 8 layers"):
-        check_launch(load_config(None, ["pipeline_parallel=8", "max_grad_norm=null"]), 8, model_config)
+        check_launch(load_config(None, ["distributed.pipeline_parallel=8", "optim.max_grad_norm=null"]), 8, model_config)
     with pytest.raises(DistributedSetupError, match="sharding is none"):
         check_launch(load_config(None, []), 2, model_config)

@@ -32,12 +32,12 @@ def measure_peak(cfg, steps: int = 2) -> tuple[int, dict]:
     with tracker:
         tracker.tag_module(model)
         for _ in range(steps):
-            ids = torch.randint(0, vocab, (cfg.micro_batch, cfg.seq_len))
+            ids = torch.randint(0, vocab, (cfg.batch.micro_batch, cfg.data.seq_len))
             batches = [dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
-                       for _ in range(cfg.grad_accum)]
+                       for _ in range(cfg.batch.grad_accum)]
             for batch in batches:
                 tracker.tag(batch.values(), "activations")
-            training_step(model, optimizer, batches, precision, tracker, params, cfg.max_grad_norm)
+            training_step(model, optimizer, batches, precision, tracker, params, cfg.optim.max_grad_norm)
     return tracker.peak_bytes, tracker.peak_by_category()
 
 
@@ -52,14 +52,14 @@ def gqa_model(tmp_path_factory):
 
 
 MATRIX = [  # precisions x optimizers x checkpointing x attention x method x batch/accumulation x architecture
-    "micro_batch=4 seq_len=128",
-    "micro_batch=4 seq_len=128 precision=bf16-mixed optimizer=sgd",
-    "micro_batch=4 seq_len=128 precision=bf16-pure",
-    "micro_batch=4 seq_len=128 checkpointing=full",
-    "micro_batch=4 seq_len=128 attention=eager checkpointing=every-2",
-    "micro_batch=4 seq_len=128 method=lora",
-    "micro_batch=4 seq_len=128 method=lora lora.targets=all-linear precision=bf16-mixed",
-    "micro_batch=2 seq_len=128 grad_accum=2 GQA precision=bf16-mixed",
+    "batch.micro_batch=4 data.seq_len=128",
+    "batch.micro_batch=4 data.seq_len=128 precision=bf16-mixed optim.name=sgd",
+    "batch.micro_batch=4 data.seq_len=128 precision=bf16-pure",
+    "batch.micro_batch=4 data.seq_len=128 memory.checkpointing=full",
+    "batch.micro_batch=4 data.seq_len=128 memory.attention=eager memory.checkpointing=every-2",
+    "batch.micro_batch=4 data.seq_len=128 method=lora",
+    "batch.micro_batch=4 data.seq_len=128 method=lora lora.targets=all-linear precision=bf16-mixed",
+    "batch.micro_batch=2 data.seq_len=128 batch.grad_accum=2 GQA precision=bf16-mixed",
 ]
 
 
@@ -69,7 +69,7 @@ def test_analytic_within_10_percent_of_tracked_step(overrides, gqa_model):
     words = overrides.split()
     if "GQA" in words:
         words = [w for w in words if w != "GQA"] + [f"model={gqa_model}"]
-    cfg = load_config(None, words + ["max_grad_norm=1.0"])
+    cfg = load_config(None, words + ["optim.max_grad_norm=1.0"])
     measured, _ = measure_peak(cfg)
     estimate = analytic_estimate(cfg, load_model_config(cfg.model)[0], device="cpu")
     error = (estimate.peak_allocated_bytes - measured) / measured
@@ -78,7 +78,7 @@ def test_analytic_within_10_percent_of_tracked_step(overrides, gqa_model):
 
 def test_model_states_equal_tracked_bytes_exactly():
     """Weights, gradients and AdamW states are exact (the tracker adds only rotary buffers and step counters)."""
-    cfg = load_config(None, ["micro_batch=1", "seq_len=16"])
+    cfg = load_config(None, ["batch.micro_batch=1", "data.seq_len=16"])
     _, by_category = measure_peak(cfg, steps=1)
     shape = model_shape(load_model_config(cfg.model)[0])
     assert abs(terms.weights_bytes(shape, cfg) - by_category["weights"]) <= 256
@@ -87,8 +87,7 @@ def test_model_states_equal_tracked_bytes_exactly():
 
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear"])
 def test_lora_parameter_count_matches_peft(targets):
-    cfg = load_config(None, ["method=lora", "lora.rank=4"]).model_copy(
-        update={"lora": load_config(None, ["method=lora", "lora.rank=4"]).lora.model_copy(update={"targets": targets})})
+    cfg = load_config(None, ["method=lora", "lora.rank=4"]).updated({"lora.targets": targets})
     model = apply_method(build_model(cfg.model), cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     shape = model_shape(load_model_config(cfg.model)[0])
@@ -102,7 +101,7 @@ def test_parameter_count_matches_a_real_build():
 
 
 def test_seed_175b_fp16_weights_are_about_350_gb():
-    cfg = load_config(None, ["model=gpt3-175b", "precision=bf16-pure", "micro_batch=1", "seq_len=128"])
+    cfg = load_config(None, ["model=gpt3-175b", "precision=bf16-pure", "batch.micro_batch=1", "data.seq_len=128"])
     shape = model_shape(load_preset_config("gpt3-175b"))
     weights = terms.weights_bytes(shape, cfg)
     assert 345 * GB <= weights <= 355 * GB
@@ -110,7 +109,7 @@ def test_seed_175b_fp16_weights_are_about_350_gb():
 
 
 def test_seed_7b_adam_states_in_16_bit_are_28_gb():
-    cfg = load_config(None, ["model=meta-llama/Llama-2-7b-hf", "precision=bf16-pure", "optimizer=adamw"])
+    cfg = load_config(None, ["model=meta-llama/Llama-2-7b-hf", "precision=bf16-pure", "optim.name=adamw"])
     shape = model_shape(load_preset_config("meta-llama/Llama-2-7b-hf"))
     states = terms.optimizer_state_bytes(shape, cfg)
     assert states == 4 * shape.total_params  # momentum + variance, 2 bytes each
@@ -142,9 +141,9 @@ def test_qlora_weights_use_4_bit_blocks():
 
 def test_checkpointing_and_lower_precision_lower_the_estimate():
     config = load_preset_config("meta-llama/Llama-3.2-1B")
-    base = ["micro_batch=4", "seq_len=1024"]
+    base = ["batch.micro_batch=4", "data.seq_len=1024"]
     plain = analytic_estimate(load_config(None, base + ["precision=bf16-mixed"]), config)
-    ckpt = analytic_estimate(load_config(None, base + ["precision=bf16-mixed", "checkpointing=full"]), config)
+    ckpt = analytic_estimate(load_config(None, base + ["precision=bf16-mixed", "memory.checkpointing=full"]), config)
     assert ckpt.by_category["activations"] < plain.by_category["activations"] / 4
     assert ckpt.peak_allocated_bytes < plain.peak_allocated_bytes
 
@@ -162,6 +161,6 @@ def test_cuda_overheads_are_named_and_reserved_exceeds_allocated():
 def test_zero_stages_divide_model_states_per_rank():
     config = load_preset_config("meta-llama/Llama-3.2-1B")
     one = analytic_estimate(load_config(None, ["precision=bf16-mixed"]), config, gpus=1)
-    zero3 = analytic_estimate(load_config(None, ["precision=bf16-mixed", "sharding=zero3"]), config, gpus=4)
+    zero3 = analytic_estimate(load_config(None, ["precision=bf16-mixed", "distributed.sharding=zero3"]), config, gpus=4)
     states = ("weights", "gradients", "optimizer_states")
     assert sum(zero3.by_category[c] for c in states) < sum(one.by_category[c] for c in states) / 3

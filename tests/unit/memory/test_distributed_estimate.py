@@ -20,8 +20,8 @@ def _states(shape, *overrides, gpus=4, device="cuda"):
 
 
 def test_zero_stages_shard_what_they_name(shape):
-    full = _states(shape, "sharding=ddp")
-    zero1, zero2, zero3 = (_states(shape, f"sharding=zero{i}") for i in (1, 2, 3))
+    full = _states(shape, "distributed.sharding=ddp")
+    zero1, zero2, zero3 = (_states(shape, f"distributed.sharding=zero{i}") for i in (1, 2, 3))
     assert full.persistent_gradients == full.gradients  # DDP buckets live between steps
     assert zero1.optimizer_states == -(-full.optimizer_states // 4) and zero1.weights == full.weights
     assert zero2.gradients == -(-full.gradients // 4) and zero2.gathered_weights == full.weights
@@ -29,24 +29,24 @@ def test_zero_stages_shard_what_they_name(shape):
 
 
 def test_offload_moves_shards_to_host_only_on_cuda(shape):
-    on_gpu = _states(shape, "sharding=zero3", "offload=all")
+    on_gpu = _states(shape, "distributed.sharding=zero3", "distributed.offload=all")
     assert on_gpu.weights == on_gpu.gradients == on_gpu.optimizer_states == 0 and on_gpu.host_bytes > 0
-    on_cpu = _states(shape, "sharding=zero3", "offload=all", device="cpu")
+    on_cpu = _states(shape, "distributed.sharding=zero3", "distributed.offload=all", device="cpu")
     assert on_cpu.host_bytes == 0 and on_cpu.weights > 0
 
 
 def test_tensor_and_pipeline_parallel_split_the_weights(shape):
     one = _states(shape, gpus=1)
-    tp = _states(shape, "tensor_parallel=2", "max_grad_norm=null", gpus=2)
+    tp = _states(shape, "distributed.tensor_parallel=2", "optim.max_grad_norm=null", gpus=2)
     assert one.weights / 2 < tp.weights < one.weights  # block linears halve, embeddings replicate
-    first, last = (rank_states(shape, load_config(None, ["pipeline_parallel=2", "max_grad_norm=null"]), 2,
+    first, last = (rank_states(shape, load_config(None, ["distributed.pipeline_parallel=2", "optim.max_grad_norm=null"]), 2,
                                "cuda", stage) for stage in (0, 1))
     tied_copy = shape.embedding_params * 4
     assert first.weights + last.weights == pytest.approx(one.weights + tied_copy + 0, abs=8)
 
 
 def test_per_rank_peak_falls_with_the_stage():
-    peaks = [rank_estimate(load_config(None, [f"sharding={s}"]), gpus=4, device="cuda").peak_allocated_bytes
+    peaks = [rank_estimate(load_config(None, [f"distributed.sharding={s}"]), gpus=4, device="cuda").peak_allocated_bytes
              for s in ("ddp", "zero1", "zero2", "zero3")]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
 
@@ -71,9 +71,9 @@ def test_plan_cli_reports_the_per_rank_estimate(capsys):
 
     from memfit.cli import main
 
-    for flags, overrides in ((["--sharding", "zero3"], ["sharding=zero3"]),
-                             (["--tp", "2", "--set", "max_grad_norm=null"], ["tensor_parallel=2", "max_grad_norm=null"]),
-                             (["--pp", "2", "--set", "max_grad_norm=null"], ["pipeline_parallel=2", "max_grad_norm=null"])):
+    for flags, overrides in ((["--sharding", "zero3"], ["distributed.sharding=zero3"]),
+                             (["--tp", "2", "--set", "optim.max_grad_norm=null"], ["distributed.tensor_parallel=2", "optim.max_grad_norm=null"]),
+                             (["--pp", "2", "--set", "optim.max_grad_norm=null"], ["distributed.pipeline_parallel=2", "optim.max_grad_norm=null"])):
         assert main(["plan", "memfit/tiny-llama", "--gpus", "2", *flags, "--json"]) == 0
         out = capsys.readouterr().out
         plan = json.loads(out[out.index("{"):])

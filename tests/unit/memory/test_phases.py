@@ -12,7 +12,7 @@ LLAMA8 = "meta-llama/Llama-3.1-8B"
 
 
 def _estimate(*overrides, device="cuda"):
-    cfg = load_config(None, [f"model={LLAMA8}", "precision=bf16-mixed", "seq_len=512", "micro_batch=1", *overrides])
+    cfg = load_config(None, [f"model={LLAMA8}", "precision=bf16-mixed", "data.seq_len=512", "batch.micro_batch=1", *overrides])
     return cfg, analytic_estimate(cfg, load_preset_config(LLAMA8), device=device)
 
 
@@ -26,13 +26,13 @@ def test_quantize_on_load_holds_one_16_bit_layer_beside_the_4_bit_model():
 
 
 def test_checkpoint_save_copies_trainable_weights_and_adam_states_to_host_ram():
-    _, full = _estimate("method=full", "optimizer=adamw")
+    _, full = _estimate("method=full", "optim.name=adamw")
     params = model_shape(load_preset_config(LLAMA8)).total_params
     assert full.phases["checkpoint_save"]["cpu_ram"] >= params * (4 + 8)  # fp32 master + two fp32 moments
 
 
 def test_merge_phase_only_when_merging_and_no_phases_on_cpu():
-    _, merging = _estimate("method=lora", "merge=true")
+    _, merging = _estimate("method=lora", "lora.merge=true")
     assert merging.phases["merge"]["gpu"] == 0 and merging.phases["merge"]["cpu_ram"] > 16e9
     _, on_cpu = _estimate(device="cpu")
     assert on_cpu.phases == {}

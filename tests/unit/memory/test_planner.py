@@ -32,21 +32,21 @@ def _user(*overrides):
 
 
 def test_8b_at_8k_tokens_fits_24gib_with_the_margin_and_full_fine_tuning_only_without_gradients():
-    result = plan(LLAMA8, _user("seq_len=8192", "micro_batch=1"), 24 * GiB, host_ram=64 * GiB)
+    result = plan(LLAMA8, _user("data.seq_len=8192", "batch.micro_batch=1"), 24 * GiB, host_ram=64 * GiB)
     found, rec = result.search, result.recommendation
     assert rec is not None and rec.device_bytes + found.margin_bytes <= 24 * GiB
     assert rec.device_bytes <= 23 * GiB and found.margin_bytes >= GiB
-    assert rec.cfg.seq_len == 8192 and rec.cfg.micro_batch * rec.cfg.grad_accum == 1
+    assert rec.cfg.data.seq_len == 8192 and rec.cfg.batch.micro_batch * rec.cfg.batch.grad_accum == 1
     # 16-bit weights (15 GiB) leave no room for 15 GiB of gradients: full fine-tuning fits only
     # when each gradient is applied and freed in the backward, on pure bf16 weights
     full = next(f for f in found.families if f.name == "full")
-    assert full.fits and full.best.cfg.optimizer_in_backward and full.best.cfg.precision == "bf16-pure"
+    assert full.fits and full.best.cfg.memory.optimizer_in_backward and full.best.cfg.precision == "bf16-pure"
     offload = next(f for f in found.families if f.name.startswith("full + CPU offload"))
     assert not offload.fits and "misses the budget by" in offload.reason and "GiB" in offload.reason
 
 
 def test_the_recommendation_is_the_fastest_fit_unless_a_plan_within_the_tie_gives_up_less():
-    found = plan(LLAMA8, _user("seq_len=2048", "micro_batch=4"), 24 * GiB, host_ram=64 * GiB).search
+    found = plan(LLAMA8, _user("data.seq_len=2048", "batch.micro_batch=4"), 24 * GiB, host_ram=64 * GiB).search
     fastest = min(c.step_seconds for c in found.pareto)
     assert found.chosen.step_seconds <= fastest * (1 + TIE)
     assert all(fidelity_rank(found.chosen.cfg) <= fidelity_rank(c.cfg) for c in found.pareto
@@ -56,38 +56,38 @@ def test_the_recommendation_is_the_fastest_fit_unless_a_plan_within_the_tie_give
 
 
 def test_user_options_hold_and_exclude_other_families():
-    found = plan(LLAMA8, _user("method=qlora", "seq_len=2048", "micro_batch=1", "optimizer=adamw"),
+    found = plan(LLAMA8, _user("method=qlora", "data.seq_len=2048", "batch.micro_batch=1", "optim.name=adamw"),
                  24 * GiB, host_ram=64 * GiB).search
-    assert found.chosen.cfg.method == "qlora" and found.chosen.cfg.optimizer == "adamw"
+    assert found.chosen.cfg.method == "qlora" and found.chosen.cfg.optim.name == "adamw"
     assert all(c.cfg.method == "qlora" for c in found.pareto)
     full = next(f for f in found.families if f.name == "full")
     assert "excluded by your option" in full.reason and "method=qlora" in full.reason
 
 
 def test_full_fine_tuning_of_8b_on_one_24gib_gpu_states_its_host_ram():
-    found = plan(LLAMA8, _user("method=full", "seq_len=2048", "micro_batch=1"), 24 * GiB, host_ram=256 * GiB).search
+    found = plan(LLAMA8, _user("method=full", "data.seq_len=2048", "batch.micro_batch=1"), 24 * GiB, host_ram=256 * GiB).search
     assert found.chosen.cfg.method == "full" and found.chosen.device_bytes + found.margin_bytes <= 24 * GiB
     assert found.chosen.estimate.cpu_ram_bytes > 16 * GiB  # at least the 16-bit model on the loading path
 
 
 def test_host_ram_limit_rejects_plans_that_park_too_much_in_host_memory():
-    found = plan(LLAMA8, _user("method=qlora", "seq_len=49152", "micro_batch=1"), 24 * GiB, host_ram=16 * GiB).search
+    found = plan(LLAMA8, _user("method=qlora", "data.seq_len=49152", "batch.micro_batch=1"), 24 * GiB, host_ram=16 * GiB).search
     qlora = next(f for f in found.families if f.name == "QLoRA")
     assert not qlora.fits and "host RAM" in qlora.reason and found.chosen is None
-    roomy = plan(LLAMA8, _user("method=qlora", "seq_len=49152", "micro_batch=1"), 24 * GiB,
+    roomy = plan(LLAMA8, _user("method=qlora", "data.seq_len=49152", "batch.micro_batch=1"), 24 * GiB,
                  host_ram=128 * GiB, max_seq_len=True).search
-    assert roomy.chosen is not None and roomy.chosen.cfg.activation_offload
+    assert roomy.chosen is not None and roomy.chosen.cfg.memory.activation_offload
     assert roomy.max_seq_len >= 49152
 
 
 def test_longest_sequence_is_the_longest_that_fits():
-    found = plan(LLAMA8, _user("method=qlora", "seq_len=4096", "micro_batch=1"), 24 * GiB, host_ram=64 * GiB,
+    found = plan(LLAMA8, _user("method=qlora", "data.seq_len=4096", "batch.micro_batch=1"), 24 * GiB, host_ram=64 * GiB,
                  max_seq_len=True, max_micro_batch=True).search
     config = load_preset_config(LLAMA8)
-    one = found.chosen.cfg.model_copy(update={"micro_batch": 1, "grad_accum": 1})
+    one = found.chosen.cfg.updated({"batch.micro_batch": 1, "batch.grad_accum": 1})
 
     def total(seq):
-        return device_total_bytes(analytic_estimate(one.model_copy(update={"seq_len": seq}), config))
+        return device_total_bytes(analytic_estimate(one.updated({"data.seq_len": seq}), config))
 
     limit = 24 * GiB - found.margin_bytes
     assert total(found.max_seq_len) <= limit < total(found.max_seq_len + 1)
@@ -102,16 +102,16 @@ def test_nothing_fits_a_tiny_budget_and_each_family_says_by_how_much():
 
 
 def test_several_gpus_shard_and_70b_fits_8_gpus_of_80gib():
-    found = plan("meta-llama/Llama-3.1-70B", load_config(None, ["seq_len=4096", "micro_batch=1"]), 80 * GiB,
+    found = plan("meta-llama/Llama-3.1-70B", load_config(None, ["data.seq_len=4096", "batch.micro_batch=1"]), 80 * GiB,
                  gpus=8, host_ram=2048 * GiB).search
     assert found.chosen is not None and found.chosen.device_bytes + found.margin_bytes <= 80 * GiB
     fits = {f.name: f.fits for f in found.families}
     # 70B in 16 bits is 131 GiB of weights: every replicating family misses, the sharded ones fit
     assert not fits["full, DDP"] and not fits["full, ZeRO-1"] and not fits["LoRA, DDP"]
     assert fits["full, ZeRO-3"] and fits["full, tensor parallel 8"] and fits["full, pipeline parallel 8"]
-    assert found.chosen.cfg.method == "full" and found.chosen.cfg.sharding in ("zero3", "none")
-    assert found.chosen.cfg.sharding == "zero3" or 8 in (found.chosen.cfg.tensor_parallel,
-                                                         found.chosen.cfg.pipeline_parallel)
+    assert found.chosen.cfg.method == "full" and found.chosen.cfg.distributed.sharding in ("zero3", "none")
+    assert found.chosen.cfg.distributed.sharding == "zero3" or 8 in (found.chosen.cfg.distributed.tensor_parallel,
+                                                         found.chosen.cfg.distributed.pipeline_parallel)
 
 
 @pytest.mark.parametrize("kwargs, message", [(dict(gpus=0), "--gpus"), (dict(gpus=-2), "--gpus"),
@@ -126,18 +126,18 @@ def test_cost_model_charges_recomputation_dequantization_and_offload():
     gpu = find_gpu("RTX 4090")
 
     def seconds(*overrides):
-        return sum(step_time(shape, load_config(None, ["precision=bf16-mixed", "micro_batch=4", "seq_len=1024",
+        return sum(step_time(shape, load_config(None, ["precision=bf16-mixed", "batch.micro_batch=4", "data.seq_len=1024",
                                                        *overrides]), gpu).values())
 
-    compute = step_time(shape, load_config(None, ["precision=bf16-mixed", "micro_batch=4", "seq_len=1024"]),
+    compute = step_time(shape, load_config(None, ["precision=bf16-mixed", "batch.micro_batch=4", "data.seq_len=1024"]),
                         gpu)["compute"]
-    ckpt = step_time(shape, load_config(None, ["precision=bf16-mixed", "micro_batch=4", "seq_len=1024",
-                                               "checkpointing=full"]), gpu)["compute"]
+    ckpt = step_time(shape, load_config(None, ["precision=bf16-mixed", "batch.micro_batch=4", "data.seq_len=1024",
+                                               "memory.checkpointing=full"]), gpu)["compute"]
     assert ckpt == pytest.approx(compute * 4 / 3, rel=0.01)  # +1 forward of 3
     assert seconds("method=qlora") > seconds("method=lora")
     assert seconds("method=lora") < seconds()  # no weight gradients of the frozen base
-    assert seconds("chunked_loss=true") > seconds()
-    assert seconds("sharding=zero3", "offload=all") > seconds("sharding=zero3")
+    assert seconds("memory.chunked_loss=true") > seconds()
+    assert seconds("distributed.sharding=zero3", "distributed.offload=all") > seconds("distributed.sharding=zero3")
 
 
 def test_estimate_and_speed_model_read_one_optimizer_table():
@@ -145,7 +145,7 @@ def test_estimate_and_speed_model_read_one_optimizer_table():
     for name, cost in OPTIMIZERS.items():
         if name == "adafactor":
             continue
-        cfg = load_config(None, ["method=full", f"optimizer={name}"])
+        cfg = load_config(None, ["method=full", f"optim.name={name}"])
         assert optimizer_state_bytes(shape, cfg) == pytest.approx(shape.total_params * cost.state_bytes_fp32, rel=1e-6)
 
 
@@ -156,7 +156,7 @@ def test_resolve_budget_is_a_no_op_without_budget(tiny_config):
 
 def test_resolve_budget_keeps_a_run_that_fits_and_refuses_an_impossible_one(tiny_config):
     fits = resolve_budget(tiny_config(budget="8GiB"))
-    assert fits.budget is None and fits.method == "full" and fits.micro_batch == 8
+    assert fits.budget is None and fits.method == "full" and fits.batch.micro_batch == 8
     with pytest.raises(MemfitError, match="no configuration"):
         resolve_budget(tiny_config(budget="1MiB"))
 
@@ -166,5 +166,5 @@ def test_resolve_budget_changes_the_setup_when_the_run_does_not_fit(tiny_config)
     assert device_total_bytes(analytic_estimate(cfg, load_preset_config("memfit/tiny-llama"), "cpu")) > 40 * 2**20
     chosen = resolve_budget(cfg)
     assert chosen is not cfg and chosen.budget is None
-    assert chosen.micro_batch * chosen.grad_accum == 8
+    assert chosen.batch.micro_batch * chosen.batch.grad_accum == 8
     assert device_total_bytes(analytic_estimate(chosen, load_preset_config("memfit/tiny-llama"), "cpu")) <= 40 * 2**20

@@ -135,8 +135,8 @@ def test_70b_traces_without_allocating(tmp_path):
     """A 70B plan runs on fake tensors: ~1 TiB of states estimated, nothing allocated."""
     import resource
 
-    cfg = load_config(None, ["model=meta-llama/Llama-2-70b-hf", "precision=bf16-mixed", "checkpointing=full",
-                             "micro_batch=1", "seq_len=256", "device=cuda"])
+    cfg = load_config(None, ["model=meta-llama/Llama-2-70b-hf", "precision=bf16-mixed", "memory.checkpointing=full",
+                             "batch.micro_batch=1", "data.seq_len=256", "device=cuda"])
     estimate = trace_estimate(cfg)
     params = 68_976_648_192
     assert estimate.by_category["weights"] == pytest.approx(4 * params, rel=0.01)

@@ -23,7 +23,7 @@ from memfit.step import training_step
 def build(cfg, load_kwargs=None):
     torch.manual_seed(cfg.seed)
     precision = make_precision(cfg.precision, torch.device("cpu"))
-    model = build_model(cfg.model, cfg.attention, dtype=precision.weight_dtype, load_kwargs=load_kwargs)
+    model = build_model(cfg.model, cfg.memory.attention, dtype=precision.weight_dtype, load_kwargs=load_kwargs)
     return apply_method(model, cfg, "cpu").train()
 
 
@@ -37,7 +37,7 @@ def train_steps(model, cfg, steps: int, lr: float = 1e-2) -> list[float]:
     """Overfit one fixed batch with the trainer's own step: the loss must fall."""
     precision = make_precision(cfg.precision, torch.device("cpu"))
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(cfg.optimizer, params, lr)
+    optimizer = build_optimizer(cfg.optim.name, params, lr)
     batch = fixed_batch()
     return [training_step(model, optimizer, [batch], precision, NullTracker(), params, 1.0).loss
             for _ in range(steps)]

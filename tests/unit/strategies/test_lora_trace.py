@@ -32,12 +32,12 @@ def measure_real(cfg, padded: bool) -> tuple[int, dict[str, int]]:
     with tracker:
         tracker.tag_module(model)
         for _ in range(trace.TRACED_STEPS):
-            batches = [trace.fake_batch(cfg, padded) for _ in range(cfg.grad_accum)]  # real tensors out here
+            batches = [trace.fake_batch(cfg, padded) for _ in range(cfg.batch.grad_accum)]  # real tensors out here
             for batch in batches:
                 batch["input_ids"].random_(0, 256)
                 batch["labels"].copy_(batch["input_ids"])
                 tracker.tag(batch.values(), "activations")
-            training_step(model, optimizer, batches, precision, tracker, params, cfg.max_grad_norm)
+            training_step(model, optimizer, batches, precision, tracker, params, cfg.optim.max_grad_norm)
     return tracker.peak_bytes, tracker.peak_by_category()
 
 
@@ -46,7 +46,7 @@ def measure_real(cfg, padded: bool) -> tuple[int, dict[str, int]]:
 def test_traced_estimate_matches_real_run(tiny_config, extra):
     cfg = tiny_config(seq_len=48, micro_batch=4, **extra)
     estimate = trace.trace_estimate(cfg, device="cpu")
-    peak, by_category = measure_real(cfg, padded=cfg.micro_batch > 1)
+    peak, by_category = measure_real(cfg, padded=cfg.batch.micro_batch > 1)
     assert estimate.peak_allocated_bytes == pytest.approx(peak, rel=0.02)
     # Quantized weights (codes + block scales + tables) and adapter states: the same bytes.
     assert estimate.by_category["weights"] == pytest.approx(by_category["weights"], rel=0.02)

@@ -58,7 +58,7 @@ def test_cli_merge_dequantizes_a_real_quantized_base(tiny_config, tmp_path, caps
     assert not (out / "base_model").exists()
     assert main(["merge", str(out), "--output", str(tmp_path / "merged")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    quantized_base = build_model(cfg.model, cfg.attention, load_kwargs=quantized_loading(cfg))
+    quantized_base = build_model(cfg.model, cfg.memory.attention, load_kwargs=quantized_loading(cfg))
     reference = _logits(PeftModel.from_pretrained(quantized_base, out), training=True)
     torch.testing.assert_close(_logits(merged), reference, rtol=0, atol=1e-3)
     assert main(["merge", str(out), "--output", str(tmp_path / "merged")]) == 2  # never overwrites silently

@@ -104,15 +104,15 @@ def test_real_weights_load_straight_into_bitsandbytes_layers(tiny_config, tmp_pa
 
 def test_invalid_combinations_listed_at_once(tmp_path):
     with pytest.raises(ConfigError) as err:
-        load_config(None, ["method=full", "quant=nf4", "merge=true", f"output_dir={tmp_path}"])
+        load_config(None, ["method=full", "quant.scheme=nf4", "lora.merge=true", f"output_dir={tmp_path}"])
     assert len(err.value.problems) == 2
     assert "needs method: lora or qlora" in str(err.value) and "merge" in str(err.value)
     with pytest.raises(ConfigError, match="qlora needs 4-bit"):
-        load_config(None, ["method=qlora", "quant=int8"])
+        load_config(None, ["method=qlora", "quant.scheme=int8"])
     with pytest.raises(ConfigError, match="torchao provides only nf4"):
-        load_config(None, ["method=qlora", "quant=fp4", "quant_backend=torchao"])
-    assert load_config(None, ["method=qlora"]).quant == "nf4-dq"  # QLoRA's own default
-    assert load_config(None, ["method=lora", "quant=int8"]).quant == "int8"
+        load_config(None, ["method=qlora", "quant.scheme=fp4", "quant.backend=torchao"])
+    assert load_config(None, ["method=qlora"]).quant.scheme == "nf4-dq"  # QLoRA's own default
+    assert load_config(None, ["method=lora", "quant=int8"]).quant.scheme == "int8"
 
 
 def test_no_backend_error_lists_the_backends(monkeypatch):

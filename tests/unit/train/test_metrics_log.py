@@ -43,4 +43,4 @@ def test_other_ranks_write_nothing(tmp_path):
 def test_tensorboard_is_the_default_and_a_missing_sink_package_is_named_at_load():
     assert default_sinks() == ["tensorboard"]  # it is in requirements.txt
     with pytest.raises(ConfigError, match=r"report_to: wandb needs the 'wandb' package: pip install wandb"):
-        load_config(None, ["report_to=[wandb]"])
+        load_config(None, ["logging.report_to=[wandb]"])

@@ -28,7 +28,7 @@ def test_split_keeps_every_row_and_trims_padding():
 def test_budget_raises_out_of_memory_and_gives_the_bytes_back():
     with MemoryBudget(limit_bytes=1 << 20) as budget:
         small = torch.ones(1000)
-        with pytest.raises(torch.OutOfMemoryError, match="memory_budget"):
+        with pytest.raises(torch.OutOfMemoryError, match="memory.limit"):
             torch.ones(1 << 20)  # 4 MiB
         assert budget.current_bytes == small.untyped_storage().nbytes()
     assert budget.peak_bytes == small.untyped_storage().nbytes()  # the failed allocation never counted
@@ -88,12 +88,12 @@ def test_oom_at_micro_batch_one_says_what_to_do(tiny_config):
 
 def test_auto_micro_batch_is_the_largest_that_fits(tiny_config):
     def estimate(cfg, device):  # 1 MB fixed + 100 kB per sequence
-        peak = 1_000_000 + 100_000 * cfg.micro_batch
+        peak = 1_000_000 + 100_000 * cfg.batch.micro_batch
         return Estimate(peak_allocated_bytes=peak, peak_reserved_bytes=peak)
 
     cfg = tiny_config(micro_batch="auto", memory_budget="5555000B")
-    assert resolve_micro_batch(cfg, torch.device("cpu"), estimate).micro_batch == 45
-    assert resolve_micro_batch(tiny_config(micro_batch=3), torch.device("cpu"), estimate).micro_batch == 3
+    assert resolve_micro_batch(cfg, torch.device("cpu"), estimate).batch.micro_batch == 45
+    assert resolve_micro_batch(tiny_config(micro_batch=3), torch.device("cpu"), estimate).batch.micro_batch == 3
     with pytest.raises(MemfitError, match="even one sequence"):
         resolve_micro_batch(tiny_config(micro_batch="auto", memory_budget="1MB"), torch.device("cpu"), estimate)
 
@@ -104,6 +104,6 @@ def test_auto_micro_batch_with_the_traced_planner_trains_within_budget(tiny_conf
 
     budget = trace_estimate(tiny_config(micro_batch=6), "cpu").peak_reserved_bytes + 1000
     cfg = resolve_micro_batch(tiny_config(micro_batch="auto", memory_budget=f"{budget}B"), torch.device("cpu"))
-    assert cfg.micro_batch >= 6
-    result = train(cfg.model_copy(update={"max_steps": 2}), progress=False)  # runs under the budget: no OOM
+    assert cfg.batch.micro_batch >= 6
+    result = train(cfg.updated({"max_steps": 2}), progress=False)  # runs under the budget: no OOM
     assert result.report.measured_peak_bytes <= budget

@@ -21,18 +21,18 @@ def test_demo_report_estimates_the_measured_batch_shape(tiny_config):
     report = train(cfg, progress=False).report
 
     shape = report.estimated_shape
-    assert shape["micro_batch"] == cfg.micro_batch and shape["grad_accum"] == cfg.grad_accum
-    assert shape["seq_len"] < cfg.seq_len  # padded to the longest example, not to seq_len
-    at_shape = trace_estimate(cfg.model_copy(update={"seq_len": shape["seq_len"]}), "cpu")
+    assert shape["micro_batch"] == cfg.batch.micro_batch and shape["grad_accum"] == cfg.batch.grad_accum
+    assert shape["seq_len"] < cfg.data.seq_len  # padded to the longest example, not to seq_len
+    at_shape = trace_estimate(cfg.updated({"data.seq_len": shape["seq_len"]}), "cpu")
     assert report.estimated_peak_bytes == at_shape.peak_allocated_bytes
     assert report.estimated_peak_bytes == pytest.approx(report.measured_peak_bytes, rel=0.05)
     for category in CATEGORIES:
         measured = report.measured_by_category[category]
         assert report.estimated_by_category[category] == pytest.approx(measured, rel=0.10), category
 
-    assert report.worst_case_seq_len == cfg.seq_len
+    assert report.worst_case_seq_len == cfg.data.seq_len
     assert report.worst_case_peak_bytes == trace_estimate(cfg, "cpu").peak_allocated_bytes
     assert report.worst_case_peak_bytes > report.estimated_peak_bytes
     text = report.to_text()
-    assert f"micro_batch {cfg.micro_batch} x {shape['seq_len']} tokens" in text
-    assert f"worst case at seq_len {cfg.seq_len}: " in text
+    assert f"micro_batch {cfg.batch.micro_batch} x {shape['seq_len']} tokens" in text
+    assert f"worst case at seq_len {cfg.data.seq_len}: " in text
