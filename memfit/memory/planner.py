@@ -127,7 +127,10 @@ def _engine_estimate(cfg: RunConfig, model_config, device: str, engine: str, gpu
 
 # --- budget: auto / size, before training ----------------------------------------------------------------
 def available_bytes(device: str) -> int:
-    """Memory the run may use: free GPU memory on CUDA, available RAM on CPU."""
+    """What a run on `device` may fill before the margin: the GPU's free memory, or half the available
+    RAM on the CPU (the other half is for the dataset, the Python runtime and the page cache the data
+    loader relies on, none of which a tensor estimate counts). budget: auto and micro_batch: auto both
+    use this one rule."""
     if device == "cuda":
         import torch
 
@@ -136,11 +139,11 @@ def available_bytes(device: str) -> int:
     try:
         import psutil
 
-        return int(psutil.virtual_memory().available)
+        return int(psutil.virtual_memory().available) // 2
     except ImportError:
         import os
 
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
 def machine_ram_bytes() -> int:

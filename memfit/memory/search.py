@@ -255,14 +255,22 @@ def _leanest(base: RunConfig, family: dict, fixed: dict, device: str) -> list[Ru
     return out
 
 
-def _largest(fits, low: int, high: int) -> int:
-    """Largest value in [low, high] for which fits(value) holds (fits is monotone); 0 if none."""
+def largest_that_fits(fits, low: int, high: int) -> int:
+    """Largest value in [low, high] for which fits(value) holds (fits is monotone); 0 if none.
+    Doubling from `low`, then bisection: about 2 log2(answer) calls, few when the answer is small
+    (each call is one estimate; a traced one takes seconds)."""
     if not fits(low):
         return 0
-    while low < high:
-        mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(mid) else (low, mid - 1)
-    return low
+    top = low
+    while top < high and fits(min(2 * top, high)):
+        top = min(2 * top, high)
+    if top == high:
+        return high
+    failed = min(2 * top, high)  # the first value that did not fit
+    while failed - top > 1:
+        middle = (top + failed) // 2
+        top, failed = (middle, failed) if fits(middle) else (top, middle)
+    return top
 
 
 def _limit_of(cfg: RunConfig, scorer: _Scorer, family: str, path: str, high: int) -> int:
@@ -272,7 +280,7 @@ def _limit_of(cfg: RunConfig, scorer: _Scorer, family: str, path: str, high: int
         if path == "batch.micro_batch":
             update["batch.grad_accum"] = 1
         return scorer.fits(scorer.memory(cfg.updated(update), family))
-    return _largest(fits, 1 if path == "batch.micro_batch" else 8, high)
+    return largest_that_fits(fits, 1 if path == "batch.micro_batch" else 8, high)
 
 
 def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, device: str = "cuda",

@@ -25,6 +25,8 @@ import torch
 
 from memfit.errors import MemfitError
 from memfit.memory.trace import trace_estimate
+from memfit.memory.planner import available_bytes
+from memfit.memory.search import default_margin, largest_that_fits
 from memfit.memory.tracker import MemoryTracker, NullTracker
 from memfit.units import format_bytes, parse_bytes
 
@@ -160,43 +162,37 @@ def evaluate_with_retry(eval_fn: Callable[[dict], tuple[torch.Tensor, int]], bat
 # --- micro_batch: auto ----------------------------------------------------------------------
 
 def memory_available_bytes(cfg, device: torch.device) -> tuple[int, str]:
-    """What micro_batch: auto must fit under, and where that number comes from."""
+    """What micro_batch: auto must fit under, and where that number comes from. memory.limit is the
+    tracker's own ceiling, which the traced estimate predicts exactly; a budget or the device's memory
+    keeps the planner's margin free (fragmentation, a second process)."""
     if cfg.memory.limit is not None:
         return cfg.memory.limit_bytes, f"memory.limit {cfg.memory.limit}"
-    planner_budget = cfg.budget  # the planner's GPU budget, when given as a size
-    if planner_budget not in (None, "auto"):
-        return parse_bytes(planner_budget), f"budget {planner_budget}"
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return int(free * 0.9), "90% of the GPU's free memory"
-    import psutil
-
-    return int(psutil.virtual_memory().available * 0.5), "half of the available RAM"
-
-
-def fits(cfg, micro_batch: int, budget_bytes: int, device: torch.device, estimate_fn) -> bool:
-    estimate = estimate_fn(cfg.updated({"batch.micro_batch": micro_batch}), device.type)
-    return estimate.peak_reserved_bytes <= budget_bytes
+    if cfg.budget not in (None, "auto"):
+        total, source = parse_bytes(cfg.budget), f"budget {cfg.budget}"
+    else:
+        total = available_bytes(device.type)
+        source = "the GPU's free memory" if device.type == "cuda" else "half of the available RAM"
+    margin = default_margin(total)
+    return total - margin, f"{source} less the margin of {format_bytes(margin)}"
 
 
 def resolve_micro_batch(cfg, device: torch.device, estimate_fn=None, limit: int = AUTO_MAX_MICRO_BATCH):
     """cfg unchanged unless micro_batch is 'auto'; then a copy with the largest micro-batch whose
-    traced estimate (the planner's own fake run of this step) fits the budget.
-    Doubling, then bisection: about 2 log2(answer) traced steps."""
+    traced estimate (the planner's own fake run of this step) fits, found as the planner finds its
+    largest micro-batch (memory/search.py: largest_that_fits)."""
     if cfg.batch.micro_batch != "auto":
         return cfg
     if estimate_fn is None:
         estimate_fn = lambda c, dev: trace_estimate(c, dev)  # noqa: E731
     budget, source = memory_available_bytes(cfg, device)
-    if not fits(cfg, 1, budget, device, estimate_fn):
+
+    def fits(micro_batch: int) -> bool:
+        estimate = estimate_fn(cfg.updated({"batch.micro_batch": micro_batch}), device.type)
+        return estimate.peak_reserved_bytes <= budget
+
+    best = largest_that_fits(fits, 1, limit)
+    if not best:
         raise MemfitError(f"batch.micro_batch: auto: even one sequence of seq_len {cfg.data.seq_len} does not fit in "
                           f"{format_bytes(budget)} ({source}); see `memfit plan` for strategies that fit")
-    low, high = 1, 2  # low fits; find a high that does not
-    while high <= limit and fits(cfg, high, budget, device, estimate_fn):
-        low, high = high, high * 2
-    high = min(high, limit + 1)
-    while high - low > 1:
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(cfg, middle, budget, device, estimate_fn) else (low, middle)
-    log.info("batch.micro_batch: auto -> %d (largest that fits %s, %s)", low, format_bytes(budget), source)
-    return cfg.updated({"batch.micro_batch": low})
+    log.info("batch.micro_batch: auto -> %d (largest that fits %s, %s)", best, format_bytes(budget), source)
+    return cfg.updated({"batch.micro_batch": best})

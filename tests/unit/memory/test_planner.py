@@ -168,3 +168,14 @@ def test_resolve_budget_changes_the_setup_when_the_run_does_not_fit(tiny_config)
     assert chosen is not cfg and chosen.budget is None
     assert chosen.batch.micro_batch * chosen.batch.grad_accum == 8
     assert device_total_bytes(analytic_estimate(chosen, load_preset_config("memfit/tiny-llama"), "cpu")) <= 40 * 2**20
+
+
+@pytest.mark.parametrize("low,high", [(1, 1), (1, 7), (1, 4096), (8, 131072), (3, 100)])
+def test_largest_that_fits_finds_the_edge_of_any_monotone_rule(low, high):
+    from memfit.memory.search import largest_that_fits
+
+    for answer in sorted({0, low - 1, low, low + 1, (low + high) // 2, high - 1, high, high + 5}):
+        calls = []
+        found = largest_that_fits(lambda v: calls.append(v) or v <= answer, low, high)
+        assert found == (0 if answer < low else min(answer, high)), (answer, found)
+        assert len(calls) <= 2 * max(high - low, 1).bit_length() + 2
