@@ -52,6 +52,7 @@ def _plan_options() -> dict:
     from typing import get_args
 
     from memfit.config import Attention, Method, Offload, Optimizer, Precision, Quant, Sharding
+    from memfit.strategies.table import STEP_STRATEGIES
 
     def choices(kind):
         return dict(choices=list(get_args(kind)))
@@ -72,10 +73,8 @@ def _plan_options() -> dict:
         "tensor-parallel": ("distributed.tensor_parallel", dict(type=int, help="tensor-parallel degree K (alias --tp)")),
         "pipeline-parallel": ("distributed.pipeline_parallel", dict(type=int, help="pipeline stages S (alias --pp)")),
         "max-grad-norm": ("optim.max_grad_norm", dict(help="gradient clipping norm, or null")),
-        "chunked-loss": ("memory.chunked_loss", dict(switch, help="cross-entropy in chunks (no full logits)")),
-        "optimizer-in-backward": ("memory.optimizer_in_backward",
-                                  dict(switch, help="update each parameter during backward (gives up clipping)")),
-        "activation-offload": ("memory.activation_offload", dict(switch, help="saved activations in host memory (CUDA)")),
+        **{strategy.name.replace("_", "-"): (strategy.path, dict(switch, help=strategy.description))
+           for strategy in STEP_STRATEGIES},
     }
 
 
@@ -87,6 +86,7 @@ def cmd_plan(args) -> int:
 
     from memfit.config import load_config
     from memfit.memory.planner import parse_budget, plan, plan_text, write_config
+    from memfit.strategies.table import STEP_STRATEGIES
 
     overrides = [f"model={args.model}"]
     for path, _ in PLAN_OPTIONS.values():
@@ -97,8 +97,10 @@ def cmd_plan(args) -> int:
             value = "[" + value + "]"
         overrides.append(f"{path}={value}")
     overrides += list(args.set or [])
-    if args.memory_optimizer_in_backward and not any(o.startswith("optim.max_grad_norm=") for o in overrides):
-        overrides.append("optim.max_grad_norm=null")  # the update happens before a global norm is known
+    for strategy in STEP_STRATEGIES:  # a switch brings the settings it needs, unless given
+        if getattr(args, strategy.path.replace(".", "_")):
+            overrides += [f"{path}={'null' if value is None else value}" for path, value in strategy.forces.items()
+                          if not any(o.startswith(path + "=") for o in overrides)]
     cfg = load_config(args.config, overrides)
     device = args.device or ("cpu" if cfg.device == "cpu" else "cuda")
     margin = parse_budget(args.margin, "--margin", allow_zero=True)

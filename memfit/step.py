@@ -14,10 +14,9 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.data.examples import IGNORE_INDEX
-from memfit.strategies.activation_offload import activation_offload
-from memfit.strategies.loss import loss_function, plain_loss
-from memfit.strategies.optimizer_in_backward import in_backward_update
+from memfit.strategies.loss import plain_loss
 from memfit.strategies.precision import PrecisionPlan, total_grad_norm
+from memfit.strategies.table import STEP_STRATEGIES
 
 
 @dataclass
@@ -55,9 +54,11 @@ def step_strategies(cfg, device: torch.device, optimizer: torch.optim.Optimizer,
     """training_step's strategy hooks for this run, as keyword arguments (all no-ops when off).
     The loop and the planner's trace both call this, once per model (it registers the
     optimizer-in-backward hooks). `traced`: fake tensors estimating `device`."""
-    return {"loss_fn": loss_function(cfg.memory.chunked_loss),
-            "saved_activations": activation_offload(cfg.memory.activation_offload, device, params, traced=traced),
-            "update": in_backward_update(cfg.memory.optimizer_in_backward, optimizer, params)}
+    hooks = {"loss_fn": plain_loss, "saved_activations": nullcontext, "update": None}
+    for strategy in STEP_STRATEGIES:  # memfit/strategies/table.py
+        if getattr(cfg.memory, strategy.name):
+            hooks.update(strategy.hooks(device, optimizer, params, traced))
+    return hooks
 
 
 def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micro_batches: list[dict],

@@ -13,14 +13,14 @@ from pathlib import Path
 from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from memfit.config.deepspeed import deepspeed_problems
 from memfit.config.distributed import config_problems
 from memfit.errors import MemfitError
-from memfit.strategies.optimizer_in_backward import in_backward_problems
 from memfit.strategies.optimizers import optimizer_problems
 from memfit.strategies.quantization import quant_problems
+from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import parse_bytes
 
 # The choices of every enumerated setting, defined once: fields, the CLI and the planner read them here.
@@ -142,18 +142,13 @@ class QuantConfig(_Section):
         "auto", description="dtype quantized weights are dequantized to for matmuls; auto follows precision.")
 
 
-class MemoryConfig(_Section):
-    """Strategies that trade time for memory inside one process (memfit/strategies/)."""
+class _MemoryConfig(_Section):
+    """Strategies that trade time for memory inside one process (memfit/strategies/). The step
+    strategies' switches (chunked_loss, optimizer_in_backward, activation_offload, ...) are added to
+    this class from their table entries (memfit/strategies/table.py) as `MemoryConfig`."""
 
-    checkpointing: str = Field("none", description="Activation memory.checkpointing: none, full (every layer), or every-N.")
+    checkpointing: str = Field("none", description="Activation checkpointing: none, full (every layer), or every-N.")
     attention: Attention = Field("sdpa", description="Attention kernel: eager, sdpa, or flash (flash-attn package).")
-    chunked_loss: bool = Field(False, description="Cross-entropy over chunks of tokens with recomputation: the full "
-                                                  "[tokens x vocab] fp32 logits never exist (same loss and gradients).")
-    optimizer_in_backward: bool = Field(False, description="Update each parameter as soon as its gradient is ready and "
-                                                           "free that gradient; needs batch.grad_accum: 1 and "
-                                                           "optim.max_grad_norm: null.")
-    activation_offload: bool = Field(False, description="Keep tensors saved for backward in pinned CPU memory (CUDA "
-                                                        "runs; a no-op on CPU). Same gradients, slower steps.")
     limit: str | None = Field(None, description="Tracked-memory ceiling, e.g. 512MiB or 20GB: a step that goes above it "
                                                 "fails with out-of-memory as a full GPU would (tests OOM recovery on "
                                                 "CPU), and batch.micro_batch: auto fits under it.")
@@ -185,6 +180,10 @@ class MemoryConfig(_Section):
         if self.checkpointing == "none":
             return 0
         return 1 if self.checkpointing == "full" else int(self.checkpointing.split("-")[1])
+
+
+MemoryConfig = create_model("MemoryConfig", __base__=_MemoryConfig, **{
+    strategy.name: (bool, Field(False, description=strategy.description)) for strategy in STEP_STRATEGIES})
 
 
 class OptimConfig(_Section):
@@ -310,7 +309,10 @@ class RunConfig(_Section):
     def _cross_field_rules(self) -> "RunConfig":
         """Every rule between fields, on every construction (YAML, command line, planner copies)."""
         problems = (config_problems(self) + deepspeed_problems(self) + quant_problems(self)
-                    + in_backward_problems(self) + optimizer_problems(self) + eval_problems(self))
+                    + optimizer_problems(self) + eval_problems(self))
+        for strategy in STEP_STRATEGIES:
+            if getattr(self.memory, strategy.name):
+                problems += strategy.problems(self)
         if problems:
             raise ValueError(PROBLEMS_SEPARATOR.join(problems))
         return self

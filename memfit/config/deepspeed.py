@@ -25,6 +25,7 @@ import math
 from pathlib import Path
 
 from memfit.errors import MemfitError
+from memfit.strategies.table import STEP_STRATEGIES
 
 AUTO = "auto"
 # "auto" values Hugging Face fills from the model's hidden size h (transformers.integrations.deepspeed).
@@ -105,15 +106,10 @@ def _conflicting_fields(cfg) -> list[str]:
         if getattr(cfg.distributed, name) > 1:
             problems.append(f"distributed.{name}: {getattr(cfg.distributed, name)} with deepspeed is not supported: "
                             f"set distributed.{name}: 1")
-    if cfg.memory.optimizer_in_backward:
-        problems.append("memory.optimizer_in_backward: true with deepspeed: the DeepSpeed engine owns the optimizer step; "
-                        "set memory.optimizer_in_backward: false")
-    if cfg.memory.activation_offload:
-        problems.append("memory.activation_offload: true with deepspeed is not supported: set memory.activation_offload: false "
-                        "(memory.checkpointing: full saves activation memory instead)")
-    if cfg.memory.chunked_loss:
-        problems.append("memory.chunked_loss: true with deepspeed is not supported (it calls the decoder and lm_head "
-                        "around the engine): set memory.chunked_loss: false")
+    for strategy in STEP_STRATEGIES:
+        if getattr(cfg.memory, strategy.name) and strategy.without_deepspeed:
+            problems.append(f"{strategy.path}: true with deepspeed: {strategy.without_deepspeed}; "
+                            f"set {strategy.path}: false")
     if cfg.batch.micro_batch == "auto" or cfg.budget is not None or cfg.memory.limit is not None:
         which = ("batch.micro_batch: auto" if cfg.batch.micro_batch == "auto" else
                  f"budget: {cfg.budget}" if cfg.budget is not None else f"memory.limit: {cfg.memory.limit}")

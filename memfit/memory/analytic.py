@@ -16,9 +16,10 @@ from memfit.memory.distributed_estimate import node_cpu_ram, per_rank_candidates
 from memfit.memory.estimate import Estimate
 from memfit.memory.model_shape import ModelShape, model_shape
 from memfit.memory.phases import phase_peaks
-from memfit.memory.single_device import (ALLOCATOR_SEGMENT_BYTES, _loss_buffer_bytes, _loss_bytes, activation_bytes,
+from memfit.memory.single_device import (ALLOCATOR_SEGMENT_BYTES, _loss_buffer_bytes,
                                          beyond_basics_terms, cpu_ram_bytes, optimizer_state_bytes, peak_candidates,
-                                         runtime_overheads, shard_model_states, weights_bytes)
+                                         runtime_overheads, shard_model_states, strategy_host_bytes,
+                                         weights_bytes)
 from memfit.memory.tracker import CATEGORIES
 from memfit.models.loading import load_model_config
 
@@ -53,8 +54,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
             {"distributed.offload": "none"}), gpus, "optimizer_step")
         ram["offloaded"] = sum(unsharded[c] for c in ("weights", "gradients", "optimizer_states")) - sum(
             candidates["optimizer_step"][c] for c in ("weights", "gradients", "optimizer_states"))
-    if cfg.memory.activation_offload and device == "cuda":  # the forward's saved tensors wait in pinned host memory
-        ram["offloaded_activations"] = activation_bytes(shape, cfg) - (_loss_bytes(shape, cfg) if cfg.memory.chunked_loss else 0)
+    ram.update(strategy_host_bytes(shape, cfg, device))  # e.g. activation_offload: the saved tensors, pinned
     if device == "cpu":
         ram["training_state"] = allocated
     ram = node_cpu_ram(ram, shape, cfg, gpus, device)  # per node: every rank's runtime, data, offload

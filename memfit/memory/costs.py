@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import ModelShape, trainable_params
+from memfit.strategies.table import STEP_STRATEGIES
 
 # --- efficiency assumptions (fractions of the spec sheet a training step sustains) ----------------------
 MATMUL_EFFICIENCY = 0.5      # large bf16 GEMMs in a training step: ~40-60% MFU is what well-tuned
@@ -84,21 +85,25 @@ def _weight_bytes(cfg) -> int:
     return 2 if cfg.precision == "bf16-pure" else 4
 
 
-def step_time(shape: ModelShape, cfg, gpu: GPU, gpus: int = 1, activation_bytes: int = 0) -> dict[str, float]:
-    """Predicted seconds per optimizer step on `gpu`, per term (sum them for the step).
+def step_time(terms, gpu: GPU, gpus: int = 1) -> dict[str, float]:
+    """Predicted seconds per optimizer step on `gpu`, per term (sum them for the step). `terms`: the
+    run's shape and config with the sizes its step strategies' work reads (memory/single_device.py:
+    StrategyTerms).
 
     compute      forward 2*N FLOPs per token + attention 4*L*seq*q_dim; the backward twice the forward
                  for full fine-tuning (input and weight gradients), once under LoRA (input gradients of the
-                 frozen base only); each checkpointed layer runs its forward again; the chunked loss
-                 computes the lm_head matmul again in the backward
+                 frozen base only); each checkpointed layer runs its forward again; a step strategy
+                 adds its own matmul FLOPs (the chunked loss: the lm_head matmul again in the backward)
     dequantize   quantized base weights are dequantized once per pass (forward, backward, recompute)
     optimizer    reads and writes parameters, gradients and states once per step (memory-bound); with
                  CPU offload the step runs on the host instead
-    host_link    activation offload moves the saved tensors out and back per micro-batch; FSDP's CPU
-                 offload copies the parameters in for the forward and the backward and the gradients out
+    host_link    a step strategy's host bytes (activation offload: the saved tensors out and back per
+                 micro-batch); FSDP's CPU offload copies the parameters in for the forward and the
+                 backward and the gradients out
     collectives  data parallel all-reduces the gradients; zero3 gathers the parameters twice per
                  micro-batch; tensor parallel all-reduces activations four times per layer
     launches     a fixed cost per kernel: what makes larger micro-batches faster per token"""
+    shape, cfg = terms.shape, terms.cfg
     tp, pp = cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel
     model_parallel = tp * pp
     tokens = cfg.batch.micro_batch * cfg.data.seq_len
@@ -108,12 +113,16 @@ def step_time(shape: ModelShape, cfg, gpu: GPU, gpus: int = 1, activation_bytes:
     forward = tokens * (2 * n + 4 * shape.layers * cfg.data.seq_len * shape.q_dim)
     backward = forward * (2 if cfg.method == "full" else 1)
     recompute = forward * ckpt
-    head = 2 * tokens * shape.hidden * shape.vocab if cfg.memory.chunked_loss else 0
     rate = (gpu.tf32_tflops if cfg.precision == "fp32" else gpu.bf16_tflops) * 1e12 * MATMUL_EFFICIENCY
     memory_rate = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
     host_rate = gpu.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY
     link_rate = gpu.interconnect_gbps * 1e9
-    terms = {"compute": (forward + backward + recompute + head) * micro_batches / rate / model_parallel}
+    work = {"flops": 0.0, "host_bytes": 0.0}  # what the step strategies add (memfit/strategies/table.py)
+    for strategy in STEP_STRATEGIES:
+        if strategy.work is not None and getattr(cfg.memory, strategy.name):
+            for kind, amount in strategy.work(terms).items():
+                work[kind] += amount
+    terms = {"compute": ((forward + backward + recompute) * micro_batches + work["flops"]) / rate / model_parallel}
     if cfg.memory.attention == "eager":  # the [heads, seq, seq] scores are written and read back (fp32 + 16-bit)
         terms["compute"] += cfg.batch.micro_batch * shape.heads * cfg.data.seq_len ** 2 * 6 * 3 * shape.layers \
             * micro_batches / memory_rate / model_parallel
@@ -134,9 +143,7 @@ def step_time(shape: ModelShape, cfg, gpu: GPU, gpus: int = 1, activation_bytes:
     offloaded = cfg.distributed.offload != "none"
     terms["optimizer"] = step_bytes / (CPU_OPTIMIZER_BYTES_PER_S if offloaded else memory_rate)
 
-    host = 0.0
-    if cfg.memory.activation_offload:
-        host += 2 * activation_bytes * micro_batches  # out in the forward, back in the backward
+    host = work["host_bytes"]
     if offloaded:  # FSDP2 CPUOffloadPolicy: parameters in (forward + backward), gradients out
         compute_bytes = 2
         host += (2 * compute_bytes * n / sharded / model_parallel + master * per_rank) * micro_batches

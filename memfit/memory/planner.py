@@ -22,6 +22,7 @@ from memfit.memory.search import SEARCHED, Candidate, SearchResult, config_summa
 from memfit.memory.single_device import _trainable_size
 from memfit.memory.trace import trace_estimate
 from memfit.models.loading import load_model_config
+from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
@@ -251,8 +252,7 @@ def plan_text(result: Plan) -> str:
 def _settings(cfg: RunConfig) -> str:
     """The plan's choices in the words of RunConfig keys, defaults left out."""
     parts = [f"{cfg.precision}", cfg.optim.name, f"checkpointing {cfg.memory.checkpointing}"]
-    parts += [name.replace("_", " ") for name in ("chunked_loss", "activation_offload", "optimizer_in_backward")
-              if getattr(cfg.memory, name)]
+    parts += [strategy.name.replace("_", " ") for strategy in STEP_STRATEGIES if getattr(cfg.memory, strategy.name)]
     parts.append(f"micro_batch {cfg.batch.micro_batch} x grad_accum {cfg.batch.grad_accum}")
     return ", ".join(parts)
 

@@ -20,11 +20,12 @@ from dataclasses import dataclass, field
 from memfit.config import ConfigError, RunConfig
 from memfit.config.distributed import launch_problems
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
-from memfit.memory.single_device import activation_bytes
+from memfit.memory.single_device import StrategyTerms
 from memfit.memory.costs import METHOD_GIVES_UP, OPTIMIZERS, PRECISION_GIVES_UP, QUANTS, step_time
 from memfit.memory.estimate import Estimate
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import ModelShape, model_shape
+from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import format_bytes
 
 GiB = 2**30
@@ -33,15 +34,14 @@ OPTIMIZERS_SEARCHED = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "
 PRECISIONS_SEARCHED = ("bf16-mixed", "bf16-pure")  # fp16-mixed and fp32 only when asked for
 TIE = 0.05  # plans within 5% of the fastest step time count as equally fast: fidelity decides
 # config paths the search may choose; a value the user set is held fixed
-SEARCHED = ("method", "quant.scheme", "precision", "optim.name", "memory.checkpointing", "memory.chunked_loss",
-            "memory.activation_offload", "memory.optimizer_in_backward", "distributed.sharding", "distributed.offload",
+SEARCHED = ("method", "quant.scheme", "precision", "optim.name", "memory.checkpointing",
+            *(strategy.path for strategy in STEP_STRATEGIES), "distributed.sharding", "distributed.offload",
             "distributed.tensor_parallel", "distributed.pipeline_parallel", "optim.max_grad_norm")
 # the per-rank estimate (memory/distributed_estimate.py) does not model these yet: off in sharded families
-UNMODELLED_SHARDED = {"memory.chunked_loss": False, "memory.activation_offload": False}
+UNMODELLED_SHARDED = {strategy.path: False for strategy in STEP_STRATEGIES if not strategy.sharded_estimate}
 # what a plan's summary shows: short name -> config path
 SUMMARY = {"method": "method", "quant": "quant.scheme", "precision": "precision", "optimizer": "optim.name",
-           "checkpointing": "memory.checkpointing", "chunked_loss": "memory.chunked_loss",
-           "activation_offload": "memory.activation_offload", "optimizer_in_backward": "memory.optimizer_in_backward",
+           "checkpointing": "memory.checkpointing", **{strategy.name: strategy.path for strategy in STEP_STRATEGIES},
            "attention": "memory.attention", "micro_batch": "batch.micro_batch", "grad_accum": "batch.grad_accum",
            "seq_len": "data.seq_len"}
 SUMMARY_IF_SET = {"sharding": "distributed.sharding", "offload": "distributed.offload",
@@ -164,10 +164,16 @@ def _fixed(cfg: RunConfig, fixed: set[str]) -> dict:
 
 def _choices(cfg: RunConfig, device: str) -> dict[str, tuple]:
     """The values each inner dimension takes."""
-    return {"precision": PRECISIONS_SEARCHED, "optim.name": OPTIMIZERS_SEARCHED, "memory.checkpointing": CHECKPOINTING,
-            "memory.chunked_loss": (False, True),
-            "memory.activation_offload": (False, True) if device == "cuda" else (False,),
-            "memory.optimizer_in_backward": (False, True)}
+    choices = {"precision": PRECISIONS_SEARCHED, "optim.name": OPTIMIZERS_SEARCHED,
+               "memory.checkpointing": CHECKPOINTING}
+    for strategy in STEP_STRATEGIES:
+        choices[strategy.path] = _tried(strategy, strategy.searched, device)
+    return choices
+
+
+def _tried(strategy, values: tuple, device: str) -> tuple:
+    """The values of a step strategy the search tries on `device` (off only, where it is a no-op)."""
+    return values if device == "cuda" or not strategy.cuda_only else (False,)
 
 
 def _batch_shapes(sequences: int) -> list[tuple[int, int]]:
@@ -199,16 +205,9 @@ def _members(base: RunConfig, family: dict, fixed: dict, sequences: int, device:
     keys = list(dims)
     for values in itertools.product(*(dims[k] for k in keys)):
         chosen = dict(zip(keys, values))
-        in_backward = chosen.get("memory.optimizer_in_backward",
-                                 fixed.get("memory.optimizer_in_backward", base.memory.optimizer_in_backward))
         for mb, ga in shapes:
-            if in_backward and ga != 1:
-                continue
             update = {**family, **chosen, "batch.micro_batch": mb, "batch.grad_accum": ga, "budget": None}
-            if in_backward and "optim.max_grad_norm" not in fixed:
-                update["optim.max_grad_norm"] = None
-            update.update(fixed)
-            yield update
+            yield _with_forced(update, base, fixed)
 
 
 # --- scoring ----------------------------------------------------------------------------------------------
@@ -230,8 +229,7 @@ class _Scorer:
 
     def timed(self, c: Candidate) -> Candidate:
         cfg = c.cfg
-        saved = activation_bytes(self.shape, cfg) if cfg.memory.activation_offload else 0
-        c.time_terms = step_time(self.shape, cfg, self.gpu, self.gpus, saved)
+        c.time_terms = step_time(StrategyTerms(self.shape, cfg, self.device), self.gpu, self.gpus)
         c.step_seconds = sum(c.time_terms.values())
         data_parallel = max(self.gpus // (cfg.distributed.tensor_parallel * cfg.distributed.pipeline_parallel), 1)
         c.tokens_per_second = cfg.batch.micro_batch * cfg.data.seq_len * cfg.batch.grad_accum * data_parallel / c.step_seconds
@@ -242,17 +240,24 @@ def _leanest(base: RunConfig, family: dict, fixed: dict, device: str) -> list[Ru
     """The family's most memory-saving settings at micro_batch 1 (a few, as no one optimizer is smallest
     for every model): the pre-check that rejects a whole family with one or two estimates."""
     out = []
-    for optimizer, in_backward, offload in itertools.product(("adafactor", "lion-8bit"), (True, False),
-                                                              {False, device == "cuda"}):
-        update = {"precision": "bf16-pure", "memory.checkpointing": "full", "memory.chunked_loss": True,
-                  "memory.activation_offload": offload, "optim.name": optimizer,
-                  "memory.optimizer_in_backward": in_backward, "batch.micro_batch": 1, "batch.grad_accum": 1,
-                  "budget": None, **family}
-        if in_backward:
-            update["optim.max_grad_norm"] = None
-        update.update(fixed)
-        out.append(update)
+    lean = [[(strategy.path, value) for value in _tried(strategy, strategy.lean, device)]
+            for strategy in STEP_STRATEGIES]
+    for optimizer, *switches in itertools.product(("adafactor", "lion-8bit"), *lean):
+        update = {"precision": "bf16-pure", "memory.checkpointing": "full", "optim.name": optimizer,
+                  **dict(switches), "batch.micro_batch": 1, "batch.grad_accum": 1, "budget": None, **family}
+        out.append(_with_forced(update, base, fixed))
     return out
+
+
+def _with_forced(update: dict, base: RunConfig, fixed: dict) -> dict:
+    """The update with the settings its step strategies force (unless the user fixed them), then
+    the user's fixed values on top."""
+    given = {**update, **fixed}
+    for strategy in STEP_STRATEGIES:
+        if given.get(strategy.path, getattr(base.memory, strategy.name)):
+            update.update({path: value for path, value in strategy.forces.items() if path not in fixed})
+    update.update(fixed)
+    return update
 
 
 def largest_that_fits(fits, low: int, high: int) -> int:

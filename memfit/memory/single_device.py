@@ -14,12 +14,14 @@ memory/analytic.py assembles the peak from them, with memory/distributed_estimat
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from memfit.config import RunConfig
 from memfit.data.ram import estimate_data_ram_bytes
 from memfit.memory.costs import OPTIMIZERS, QUANTS, checkpointed_layers
 from memfit.memory.model_shape import ModelShape, adapted_linears, linear_leaf_names, lora_params, trainable_params
 from memfit.strategies.loss import auto_chunk_tokens
+from memfit.strategies.table import STEP_STRATEGIES
 
 MiB, GiB = 2**20, 2**30
 
@@ -341,8 +343,8 @@ def shard_model_states(by_category: dict[str, int], cfg: RunConfig, gpus: int, w
     return out
 
 
-# --- chunked loss, optimizer step in backward, activation offload ------------------------------------------
-# memfit/strategies/{loss,optimizer_in_backward,activation_offload}.py; see docs/beyond.md.
+# --- step strategies: chunked loss, optimizer step in backward, activation offload ------------------------
+# Their own terms live beside their code (memfit/strategies/{loss,optimizer_in_backward,activation_offload}.py).
 
 
 def _largest_param_bytes(shape: ModelShape, cfg: RunConfig) -> int:
@@ -354,36 +356,68 @@ def _largest_param_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     return largest * _trainable_size(cfg)
 
 
+@dataclass
+class StrategyTerms:
+    """The run's sizes a step strategy's memory and work functions read (memfit/strategies/step_strategy.py)."""
+
+    shape: ModelShape
+    cfg: RunConfig
+    device: str
+
+    @property
+    def tokens(self) -> int:
+        return self.cfg.batch.micro_batch * self.cfg.data.seq_len
+
+    @property
+    def micro_batches(self) -> int:
+        return self.cfg.batch.grad_accum
+
+    @property
+    def loss_bytes(self) -> int:
+        return _loss_bytes(self.shape, self.cfg)
+
+    @property
+    def saved_loss_bytes(self) -> int:
+        """What the loss keeps for backward: nothing under the chunked loss, which recomputes it."""
+        return 0 if self.cfg.memory.chunked_loss else self.loss_bytes
+
+    @property
+    def chunk_bytes(self) -> int:
+        return _chunk_bytes(self.shape, self.cfg)
+
+    @property
+    def layer_bytes(self) -> int:
+        return int(_layer_bytes(self.shape, self.cfg))
+
+    @property
+    def hidden_bytes(self) -> int:
+        """One [tokens x hidden] tensor in the weights' dtype: a checkpointed layer's saved input."""
+        return self.tokens * self.shape.hidden * _weight_size(self.cfg)
+
+    @property
+    def largest_param_bytes(self) -> int:
+        return _largest_param_bytes(self.shape, self.cfg)
+
+    @property
+    def activation_bytes(self) -> int:
+        return activation_bytes(self.shape, self.cfg)
+
+
 def beyond_basics_terms(candidates: dict[str, dict[str, int]], shape: ModelShape, cfg: RunConfig,
                         device: str) -> dict[str, dict[str, int]]:
-    """Adjust peak_candidates for chunked_loss, optimizer_in_backward and activation_offload (no-ops when off).
-
-    chunked_loss           the fp32 [tokens x vocab] log-softmax is never saved; in backward one chunk's
-                           logits, log-softmax and their gradient exist at a time (3 x chunk x vocab x 4 B;
-                           chunk = max(64, tokens / ceil(vocab / hidden)) tokens)
-    optimizer_in_backward  at most one parameter's gradient (and the optimizer's scratch for it) at a time
-    activation_offload     (CUDA) saved activations wait in host RAM; the backward brings back one layer's
-                           (and, at its start, the loss's) at a time
-    """
+    """peak_candidates as the run's step strategies change them (memfit/strategies/table.py; each
+    entry's `peak`, in the table's order; no-ops when off)."""
     out = {moment: dict(values) for moment, values in candidates.items()}
-    tokens = cfg.batch.micro_batch * cfg.data.seq_len
-    loss = _loss_bytes(shape, cfg)
-    if cfg.memory.chunked_loss:
-        chunk = _chunk_bytes(shape, cfg)
-        out["backward_start"]["activations"] -= loss
-        out["backward_start"]["temporaries"] += 3 * chunk - 2 * loss
-        loss = 0
-    if cfg.memory.optimizer_in_backward:
-        largest = _largest_param_bytes(shape, cfg)
-        for values in out.values():
-            values["gradients"] = min(values["gradients"], largest)
-        out["optimizer_step"].update(gradients=largest, temporaries=min(out["optimizer_step"]["temporaries"], largest))
-    if cfg.memory.activation_offload and device == "cuda":
-        layer = int(_layer_bytes(shape, cfg))
-        out["backward_start"]["activations"] = min(out["backward_start"]["activations"], loss + layer)
-        # a checkpointed last layer brings back only its input; its recomputed tensors are temporaries
-        every = cfg.memory.activation_checkpoint_every
-        last_ckpt = bool(every) and (shape.layers - 1) % every == 0
-        back = tokens * shape.hidden * _weight_size(cfg) if last_ckpt else layer
-        out["backward_last"]["activations"] = min(out["backward_last"]["activations"], back)
+    terms = StrategyTerms(shape, cfg, device)
+    for strategy in STEP_STRATEGIES:
+        if strategy.peak is not None and getattr(cfg.memory, strategy.name):
+            strategy.peak(out, terms)
     return out
+
+
+def strategy_host_bytes(shape: ModelShape, cfg: RunConfig, device: str) -> dict[str, int]:
+    """The host RAM each of the run's step strategies adds (its entry's `host_bytes`), by name."""
+    terms = StrategyTerms(shape, cfg, device)
+    found = {strategy.name: strategy.host_bytes(terms) for strategy in STEP_STRATEGIES
+             if strategy.host_bytes is not None and getattr(cfg.memory, strategy.name)}
+    return {name: value for name, value in found.items() if value}

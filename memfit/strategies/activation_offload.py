@@ -21,6 +21,8 @@ from contextlib import nullcontext
 
 import torch
 
+from memfit.strategies.step_strategy import StepStrategy
+
 log = logging.getLogger(__name__)
 
 DEFAULT_MIN_BYTES = 1 << 20  # 1 MiB
@@ -157,3 +159,36 @@ def activation_offload(enabled: bool, device: torch.device, params=(), min_bytes
         return nullcontext
     params = list(params)
     return lambda: OffloadActivations(params, min_bytes)
+
+
+def _offload_peak(moments: dict, terms) -> None:
+    """(CUDA) saved activations wait in host RAM; the backward brings back one layer's (and, at its
+    start, what the loss saved) at a time."""
+    if terms.device != "cuda":
+        return
+    moments["backward_start"]["activations"] = min(moments["backward_start"]["activations"],
+                                                   terms.saved_loss_bytes + terms.layer_bytes)
+    # a checkpointed last layer brings back only its input; its recomputed tensors are temporaries
+    every = terms.cfg.memory.activation_checkpoint_every
+    last_checkpointed = bool(every) and (terms.shape.layers - 1) % every == 0
+    back = terms.hidden_bytes if last_checkpointed else terms.layer_bytes
+    moments["backward_last"]["activations"] = min(moments["backward_last"]["activations"], back)
+
+
+def _offload_host_bytes(terms) -> int:
+    """The forward's saved tensors wait in pinned host memory."""
+    return terms.activation_bytes - terms.loss_bytes + terms.saved_loss_bytes if terms.device == "cuda" else 0
+
+
+def _offload_work(terms) -> dict[str, float]:
+    """Out in the forward, back in the backward, every micro-batch."""
+    return {"host_bytes": 2 * terms.activation_bytes * terms.micro_batches}
+
+
+ACTIVATION_OFFLOAD = StepStrategy(
+    "activation_offload", "Keep tensors saved for backward in pinned CPU memory (CUDA runs; a no-op on CPU). "
+                          "Same gradients, slower steps.",
+    hooks=lambda device, optimizer, params, traced: {
+        "saved_activations": activation_offload(True, device, params, traced=traced)},
+    peak=_offload_peak, host_bytes=_offload_host_bytes, work=_offload_work, lean=(False, True),
+    cuda_only=True, sharded_estimate=False, without_deepspeed="not supported")

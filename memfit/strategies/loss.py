@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from memfit.errors import MemfitError
+from memfit.strategies.step_strategy import StepStrategy
 
 log = logging.getLogger(__name__)
 
@@ -100,3 +101,23 @@ def loss_function(chunked: bool, chunk_tokens: int | None = None):
     if not chunked:
         return plain_loss
     return functools.partial(chunked_loss, chunk_tokens=chunk_tokens)
+
+
+def _chunked_peak(moments: dict, terms) -> None:
+    """The fp32 [tokens x vocab] log-softmax is never saved; in backward one chunk's logits,
+    log-softmax and their gradient exist at a time (3 x chunk x vocab x 4 B)."""
+    moments["backward_start"]["activations"] -= terms.loss_bytes
+    moments["backward_start"]["temporaries"] += 3 * terms.chunk_bytes - 2 * terms.loss_bytes
+
+
+def _chunked_work(terms) -> dict[str, float]:
+    """The lm_head matmul runs again for each chunk in the backward."""
+    return {"flops": 2 * terms.tokens * terms.shape.hidden * terms.shape.vocab * terms.micro_batches}
+
+
+CHUNKED_LOSS = StepStrategy(
+    "chunked_loss", "Cross-entropy over chunks of tokens with recomputation: the full [tokens x vocab] fp32 "
+                    "logits never exist (same loss and gradients).",
+    hooks=lambda device, optimizer, params, traced: {"loss_fn": loss_function(True)},
+    peak=_chunked_peak, work=_chunked_work, sharded_estimate=False,
+    without_deepspeed="it calls the decoder and lm_head around the engine")

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from memfit.errors import MemfitError
+from memfit.strategies.step_strategy import StepStrategy
 
 
 class InBackwardUpdate:
@@ -68,8 +69,6 @@ def in_backward_update(enabled: bool, optimizer: torch.optim.Optimizer, params: 
 
 def in_backward_problems(cfg) -> list[str]:
     """Config combinations optimizer_in_backward cannot honour (reported with all other problems)."""
-    if not cfg.memory.optimizer_in_backward:
-        return []
     problems = []
     if cfg.batch.grad_accum != 1:
         problems.append(f"memory.optimizer_in_backward: needs batch.grad_accum: 1 (each parameter is updated as soon as one "
@@ -84,3 +83,21 @@ def in_backward_problems(cfg) -> list[str]:
         problems.append(f"memory.optimizer_in_backward: not with distributed.sharding: {cfg.distributed.sharding} (the gradient must be reduced "
                         "across ranks before the update); use distributed.sharding: none")
     return problems
+
+
+def _in_backward_peak(moments: dict, terms) -> None:
+    """At most one parameter's gradient (and the optimizer's scratch for it) at a time."""
+    largest = terms.largest_param_bytes
+    for values in moments.values():
+        values["gradients"] = min(values["gradients"], largest)
+    moments["optimizer_step"].update(gradients=largest, temporaries=min(moments["optimizer_step"]["temporaries"],
+                                                                        largest))
+
+
+OPTIMIZER_IN_BACKWARD = StepStrategy(
+    "optimizer_in_backward", "Update each parameter as soon as its gradient is ready and free that gradient; "
+                             "needs batch.grad_accum: 1 and optim.max_grad_norm: null.",
+    hooks=lambda device, optimizer, params, traced: {"update": InBackwardUpdate(optimizer, params)},
+    peak=_in_backward_peak, problems=in_backward_problems, lean=(True, False),
+    without_deepspeed="the DeepSpeed engine owns the optimizer step",
+    forces={"optim.max_grad_norm": None}, gives_up="no gradient clipping")

@@ -8,7 +8,7 @@ from memfit.config import load_config
 from memfit.errors import MemfitError
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
 from memfit.memory.model_shape import model_shape
-from memfit.memory.single_device import optimizer_state_bytes
+from memfit.memory.single_device import StrategyTerms, optimizer_state_bytes
 from memfit.memory.costs import OPTIMIZERS, step_time
 from memfit.memory.gpus import find_gpu
 from memfit.memory.planner import plan, resolve_budget
@@ -125,18 +125,20 @@ def test_cost_model_charges_recomputation_dequantization_and_offload():
     shape = model_shape(load_preset_config(LLAMA7))
     gpu = find_gpu("RTX 4090")
 
-    def seconds(*overrides):
-        return sum(step_time(shape, load_config(None, ["precision=bf16-mixed", "batch.micro_batch=4", "data.seq_len=1024",
-                                                       *overrides]), gpu).values())
+    def terms(*overrides):
+        cfg = load_config(None, ["precision=bf16-mixed", "batch.micro_batch=4", "data.seq_len=1024", *overrides])
+        return step_time(StrategyTerms(shape, cfg, "cuda"), gpu)
 
-    compute = step_time(shape, load_config(None, ["precision=bf16-mixed", "batch.micro_batch=4", "data.seq_len=1024"]),
-                        gpu)["compute"]
-    ckpt = step_time(shape, load_config(None, ["precision=bf16-mixed", "batch.micro_batch=4", "data.seq_len=1024",
-                                               "memory.checkpointing=full"]), gpu)["compute"]
+    def seconds(*overrides):
+        return sum(terms(*overrides).values())
+
+    compute = terms()["compute"]
+    ckpt = terms("memory.checkpointing=full")["compute"]
     assert ckpt == pytest.approx(compute * 4 / 3, rel=0.01)  # +1 forward of 3
     assert seconds("method=qlora") > seconds("method=lora")
     assert seconds("method=lora") < seconds()  # no weight gradients of the frozen base
     assert seconds("memory.chunked_loss=true") > seconds()
+    assert terms("memory.activation_offload=true")["host_link"] > 0 and "host_link" not in terms()
     assert seconds("distributed.sharding=zero3", "distributed.offload=all") > seconds("distributed.sharding=zero3")
 
 

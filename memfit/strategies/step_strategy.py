@@ -1,0 +1,55 @@
+"""What a step strategy is: one entry that says everything the rest of memfit needs to know about it.
+
+A step strategy is a switch (`memory.<name>: true`, off by default) that changes how one optimizer
+step runs: the chunked loss, activation offload and optimizer in backward are the ones memfit has
+(memfit/strategies/table.py lists them). Its entry, beside its torch code, gives:
+
+  hooks       the keyword arguments it gives `memfit.step.training_step` when on (the trainer and the
+              planner's trace both get them from `memfit.step.step_strategies`)
+  peak        what it changes in the analytic estimate's peak candidates (memory/single_device.py)
+  host_bytes  the host RAM it adds (memory/analytic.py)
+  work        the work it adds to a step: matmul "flops", "host_bytes" over the host link
+              (memory/costs.py turns them into the seconds the planner ranks plans by)
+  problems    its rules against the rest of the config (checked on every construction)
+  searched    the values the planner's search tries (memory/search.py), `lean` those of its leanest
+              pre-check; `cuda_only` strategies are tried on CUDA runs only
+
+The config field, the `memfit plan --<name>` flag and the search dimension are made from the entry,
+so a new step strategy is its own module plus one line in table.py.
+
+The memory and time functions get a `terms` object (memory/single_device.py: StrategyTerms) with the
+run's sizes: shape, cfg, device, tokens, micro_batches, loss_bytes (the fp32 log-softmax the plain
+loss saves), saved_loss_bytes (what the loss keeps for backward under this run's strategies),
+chunk_bytes, layer_bytes, hidden_bytes, largest_param_bytes and activation_bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+def _no_problems(cfg) -> list[str]:
+    return []
+
+
+@dataclass(frozen=True)
+class StepStrategy:
+    name: str                              # the config switch memory.<name>
+    description: str                       # help for the config field and the `memfit plan` flag
+    hooks: Callable[..., dict]             # (device, optimizer, params, traced) -> training_step kwargs, when on
+    peak: Callable[[dict, object], None] | None = None   # (peak candidates, terms): adjusts them in place
+    host_bytes: Callable[[object], int] | None = None    # (terms) -> host RAM it adds
+    work: Callable[[object], dict[str, float]] | None = None  # (terms) -> {"flops" | "host_bytes": per step}
+    problems: Callable[[object], list[str]] = _no_problems  # (cfg) -> its rules, when on
+    searched: tuple = (False, True)        # values the planner's search tries
+    lean: tuple = (True,)                  # values the leanest-member pre-check tries
+    cuda_only: bool = False                # a no-op off CUDA: searched on CUDA only
+    sharded_estimate: bool = True          # the per-rank estimate models it (else off in sharded plans)
+    without_deepspeed: str = ""            # why DeepSpeed cannot run it ("" = it can)
+    forces: dict = field(default_factory=dict)  # settings the planner sets with it, unless the user fixed them
+    gives_up: str = ""                     # what it trades, for the plan's table
+
+    @property
+    def path(self) -> str:
+        return f"memory.{self.name}"

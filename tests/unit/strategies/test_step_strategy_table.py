@@ -1,0 +1,52 @@
+"""Each step strategy's table entry reaches every place that needs it: the config, the trainer's step
+hooks, the analytic estimate, the speed model, the search and the `memfit plan` flags."""
+
+import pytest
+import torch
+
+from memfit.cli import PLAN_OPTIONS
+from memfit.config import MemoryConfig, load_config
+from memfit.memory.costs import step_time
+from memfit.memory.gpus import find_gpu
+from memfit.memory.model_shape import model_shape
+from memfit.memory.search import SEARCHED, _choices
+from memfit.memory.single_device import StrategyTerms, beyond_basics_terms, peak_candidates
+from memfit.models.loading import load_preset_config
+from memfit.step import step_strategies
+from memfit.strategies.table import STEP_STRATEGIES
+
+LLAMA8 = "meta-llama/Llama-3.1-8B"
+
+
+@pytest.mark.parametrize("strategy", STEP_STRATEGIES, ids=lambda s: s.name)
+def test_the_entry_makes_its_config_switch_flag_and_search_dimension(strategy):
+    field = MemoryConfig.model_fields[strategy.name]
+    assert field.annotation is bool and field.default is False and field.description == strategy.description
+    assert PLAN_OPTIONS[strategy.name.replace("_", "-")][0] == strategy.path
+    assert strategy.path in SEARCHED
+    assert _choices(load_config(None, []), "cuda")[strategy.path] == strategy.searched
+    if strategy.cuda_only:
+        assert _choices(load_config(None, []), "cpu")[strategy.path] == (False,)
+
+
+@pytest.mark.parametrize("strategy", STEP_STRATEGIES, ids=lambda s: s.name)
+def test_switching_it_on_changes_the_step_hooks_and_the_estimate(strategy):
+    on = load_config(None, [f"{strategy.path}=true", "data.seq_len=2048", "batch.micro_batch=1",
+                            *(f"{path}={'null' if value is None else value}" for path, value in strategy.forces.items())])
+    off = on.updated({strategy.path: False})
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    optimizer = torch.optim.SGD(params, lr=0.1)
+    hooks_on = step_strategies(on, torch.device("cpu"), optimizer, params)
+    hooks_off = step_strategies(off, torch.device("cpu"), optimizer, params)
+    assert set(hooks_on) == set(hooks_off) == {"loss_fn", "saved_activations", "update"}
+    changed = [key for key in hooks_on if hooks_on[key] is not hooks_off[key]]
+    assert changed or strategy.cuda_only  # off CUDA a cuda-only strategy's hook is a no-op
+    config = load_preset_config(LLAMA8)
+    shape, gpu = model_shape(config), find_gpu("RTX 4090")
+    moments_on = beyond_basics_terms(peak_candidates(shape, on), shape, on, "cuda")
+    moments_off = beyond_basics_terms(peak_candidates(shape, off), shape, off, "cuda")
+    assert all(sum(moments_on[m].values()) <= sum(moments_off[m].values()) for m in moments_on)
+    assert moments_on != moments_off  # its peak terms are applied, and each saves memory somewhere
+    time_on = sum(step_time(StrategyTerms(shape, on, "cuda"), gpu).values())
+    time_off = sum(step_time(StrategyTerms(shape, off, "cuda"), gpu).values())
+    assert time_on >= time_off if strategy.work is not None else time_on == pytest.approx(time_off)
