@@ -141,7 +141,8 @@ def main() -> None:
             naive = run_child("naive", str(path))
             rows[size_gb] = (size, records, streaming, naive)
             print(f"corpus {mb(size)} ({records:,} records): streaming peak RSS {mb(streaming['peak_rss_bytes'])} "
-                  f"({streaming['batches']:,} batches, {streaming['tokens']:,} tokens in {streaming['seconds']:.0f} s); "
+                  f"({streaming['batches']:,} batches, {streaming['tokens']:,} tokens in {streaming['seconds']:.0f} "
+                  "s); "
                   f"naive peak RSS {mb(naive['peak_rss_bytes'])} ({naive['seconds']:.0f} s)", flush=True)
         small, large = (rows[s] for s in args.sizes_gb)
         print(f"\ngrowth from {mb(small[0])} to {mb(large[0])} of corpus (x{large[0] / small[0]:.1f}):")

@@ -75,7 +75,8 @@ def main() -> None:
             sys.exit(result.stderr[-3000:])
         estimate = rank_estimate(load_config(config, ["output_dir=x"]), 1, "cpu").peak_allocated_bytes
         measured = single.report.measured_peak_bytes
-        print("| run | measured peak per rank (MiB) | estimate per rank (MiB) | estimate / measured | max loss difference |")
+        print("| run | measured peak per rank (MiB) | estimate per rank (MiB) | estimate / measured | max loss "
+              "difference |")
         print("|---|---|---|---|---|")
         print(f"| single process | {measured / mib:.2f} | {estimate / mib:.2f} | {estimate / measured:.3f} | - |")
         for name, overrides in ENGINES.items():

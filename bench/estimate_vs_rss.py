@@ -113,7 +113,8 @@ def main() -> None:
                               capture_output=True, text=True, check=True)
         runs[name] = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
     first = next(iter(runs.values()))
-    print(f"model: {args.layers} layers, hidden {args.hidden}, {first['params'] / 1e6:.1f}M parameters; {args.precision}, "
+    print(f"model: {args.layers} layers, hidden {args.hidden}, {first['params'] / 1e6:.1f}M parameters; "
+          f"{args.precision}, "
           f"{args.optimizer}, micro_batch {args.micro_batch}, seq_len {args.seq_len}, 2 steps on CPU")
     print("estimate by category: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in first["by_category"].items()))
     print(f"{'malloc':<32}{'traced estimate':>17}{'tracker (real)':>17}{'RSS growth':>14}{'estimate/RSS':>14}"

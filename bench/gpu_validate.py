@@ -25,7 +25,8 @@ CONFIGS = [  # RunConfig overrides; ~1B model, each well under a minute on a mod
     "precision=bf16-mixed optim.name=adamw-8bit memory.checkpointing=full batch.micro_batch=8 data.seq_len=1024",
     "precision=bf16-pure optim.name=adamw batch.micro_batch=4 data.seq_len=2048",
     "precision=bf16-pure method=lora lora.rank=32 batch.micro_batch=4 data.seq_len=1024",
-    "precision=bf16-mixed method=lora lora.targets=all-linear memory.checkpointing=full batch.micro_batch=8 data.seq_len=2048",
+    "precision=bf16-mixed method=lora lora.targets=all-linear memory.checkpointing=full batch.micro_batch=8 "
+    "data.seq_len=2048",
     "precision=bf16-mixed method=qlora lora.targets=all-linear batch.micro_batch=4 data.seq_len=1024",
     "precision=bf16-mixed memory.attention=eager optim.name=adamw-8bit batch.micro_batch=2 data.seq_len=1024",
 ]
@@ -90,18 +91,22 @@ def main() -> int:
             err_r = (p.peak_reserved_bytes - m["reserved"]) / m["reserved"]
             context = m["device_now"] - m["reserved_now"]  # context + libraries outside the allocator
             rows.append(f"| `{overrides}` | {p.peak_allocated_bytes / gib:.2f} | {m['allocated'] / gib:.2f} | "
-                        f"{err_a:+.1%} | {p.peak_reserved_bytes / gib:.2f} | {m['reserved'] / gib:.2f} | {err_r:+.1%} | "
+                        f"{err_a:+.1%} | {p.peak_reserved_bytes / gib:.2f} | {m['reserved'] / gib:.2f} | {err_r:+.1%} "
+                        "| "
                         f"{context / gib:.2f} | {r['seconds']:.2f} | {_rss_gib():.2f} / {p.cpu_ram_bytes / gib:.2f} |")
         except torch.OutOfMemoryError as exc:
             rows.append(f"| `{overrides}` | | OOM | | | | | | | {str(exc).splitlines()[0][:80]}")
         except Exception as exc:  # noqa: BLE001 - one failing configuration must not end the validation
-            rows.append(f"| `{overrides}` | error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]} | | | | | | | |")
+            rows.append(f"| `{overrides}` | error: {type(exc).__name__}: {str(exc).splitlines()[0][:100]} | | | | | | "
+                        "| |")
         print(rows[-1], flush=True)
         gc.collect()
         torch.cuda.empty_cache()
     header = [f"# GPU validation: plan vs measured ({args.model}, random init)", "",
-              f"Date: {datetime.date.today().isoformat()}. GPU: {name}. torch {torch.__version__}, CUDA {torch.version.cuda}.",
-              f"Command: `python bench/gpu_validate.py {' '.join(sys.argv[1:])}`. {args.steps} optimizer steps per row, "
+              f"Date: {datetime.date.today().isoformat()}. GPU: {name}. torch {torch.__version__}, CUDA "
+              f"{torch.version.cuda}.",
+              f"Command: `python bench/gpu_validate.py {' '.join(sys.argv[1:])}`. {args.steps} optimizer steps per "
+              "row, "
               "full-length random batches. GiB = 2^30 bytes.", "",
               "| config | plan alloc GiB | max_memory_allocated GiB | error | plan reserved GiB | "
               "max_memory_reserved GiB | error | outside allocator GiB (context) | s/step | "

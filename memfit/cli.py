@@ -250,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     gen.set_defaults(func=cmd_generate)
 
-    plan_cmd = sub.add_parser("plan", help="predict a run's peak GPU/CPU memory; with --budget, pick the fastest setup that fits")
+    plan_cmd = sub.add_parser("plan", help="predict a run's peak GPU/CPU memory; with --budget, pick the fastest setup "
+                                           "that fits")
     plan_cmd.add_argument("model", help="preset name (`memfit presets`), local folder with config.json, or hub id")
     for flag, (path, kwargs) in PLAN_OPTIONS.items():
         aliases = {"tensor-parallel": ["--tp"], "pipeline-parallel": ["--pp"]}.get(flag, [])
@@ -303,7 +304,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
     if extra:
         args.overrides = [*args.overrides, *extra]
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(name)s: "
+                                                                                      "%(message)s")
     _quiet_libraries()
     try:
         return args.func(args)

@@ -50,30 +50,39 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    name: str = Field("memfit/tiny-llama", description="Local directory, hub id, or preset name (see `memfit presets`).")
-    trust_remote_code: bool = Field(False, description="Run Python code shipped with the model. Only for models you trust.")
+    name: str = Field("memfit/tiny-llama", description="Local directory, hub id, or preset name (see `memfit "
+                                                       "presets`).")
+    trust_remote_code: bool = Field(False, description="Run Python code shipped with the model. Only for models you "
+                                                       "trust.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) when loading by hub id.")
 
 
 class DataConfig(_Section):
-    path: str = Field("builtin:demo", description="Dataset file, folder, glob, or `builtin:demo` (shipped with memfit).")
-    format: Literal["auto", "text", "alpaca", "chat"] = Field("auto", description="How records become prompt/response text.")
+    path: str = Field("builtin:demo", description="Dataset file, folder, glob, or `builtin:demo` (shipped with "
+                                                  "memfit).")
+    format: Literal["auto", "text", "alpaca", "chat"] = Field("auto", description="How records become prompt/response "
+                                                                                  "text.")
     train_on_prompt: bool = Field(False, description="Also compute loss on prompt tokens (default: response only).")
     limit: int | None = Field(None, ge=1, description="Use only the first N records (quick experiments).")
-    split: str = Field("train", description="Split to read when `path` is a Hugging Face dataset id (`org/name` or `hf:name`).")
+    split: str = Field("train", description="Split to read when `path` is a Hugging Face dataset id (`org/name` or "
+                                            "`hf:name`).")
     fields: dict[str, str] = Field(default_factory=dict, description=(
         "Rename your columns to memfit's: memfit name -> your name, e.g. {instruction: question, output: answer}; "
         "names: text, instruction, input, output, messages, conversations."))
     streaming: bool = Field(False, description="Read and tokenize the raw files on the fly while training (flat RAM, "
-                                               "for corpora larger than RAM or disk cache) instead of loading them whole.")
-    prepared_dir: str | None = Field(None, description="Folder of memory-mapped Arrow written by `memfit data prepare`; "
+                                               "for corpora larger than RAM or disk cache) instead of loading them "
+                                               "whole.")
+    prepared_dir: str | None = Field(None, description="Folder of memory-mapped Arrow written by `memfit data "
+                                                       "prepare`; "
                                                        "`memfit train` reads it instead of `path` when set.")
     num_workers: int = Field(0, ge=0, description="Worker processes that tokenize (prepare, streaming) or collate "
                                                   "batches (DataLoader); 0 = in the main process.")
-    prefetch_factor: int = Field(2, ge=1, description="Batches (or record chunks when streaming) each worker keeps ready.")
+    prefetch_factor: int = Field(2, ge=1, description="Batches (or record chunks when streaming) each worker keeps "
+                                                      "ready.")
     skip_bad_records: bool = Field(False, description="Skip malformed records (counted and reported) instead of "
                                                       "stopping at the first with its file and line.")
-    shuffle_buffer: int = Field(10_000, ge=0, description="Streaming: examples held to shuffle within (0 = file order).")
+    shuffle_buffer: int = Field(10_000, ge=0, description="Streaming: examples held to shuffle within (0 = file "
+                                                          "order).")
     group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding; "
                                                      "sorted within windows of 64 micro-batches).")
     seq_len: int = Field(256, ge=8, description="Maximum tokens per sequence (longer examples are truncated).")
@@ -113,7 +122,8 @@ class EvalConfig(_Section):
     every: int = Field(0, ge=0, description="Evaluate every N steps (0 = only after the last step).")
     micro_batch: int | None = Field(None, ge=1, description="Rows per eval batch (default: the training micro_batch).")
     max_batches: int | None = Field(None, ge=1, description="Evaluate on at most this many batches (default: all).")
-    save_best: bool = Field(False, description="Keep the weights of the evaluation with the lowest loss in RUN_DIR/best.")
+    save_best: bool = Field(False, description="Keep the weights of the evaluation with the lowest loss in "
+                                               "RUN_DIR/best.")
 
     @property
     def enabled(self) -> bool:
@@ -149,7 +159,8 @@ class _MemoryConfig(_Section):
 
     checkpointing: str = Field("none", description="Activation checkpointing: none, full (every layer), or every-N.")
     attention: Attention = Field("sdpa", description="Attention kernel: eager, sdpa, or flash (flash-attn package).")
-    limit: str | None = Field(None, description="Tracked-memory ceiling, e.g. 512MiB or 20GB: a step that goes above it "
+    limit: str | None = Field(None, description="Tracked-memory ceiling, e.g. 512MiB or 20GB: a step that goes above "
+                                                "it "
                                                 "fails with out-of-memory as a full GPU would (tests OOM recovery on "
                                                 "CPU), and batch.micro_batch: auto fits under it.")
 
@@ -192,7 +203,8 @@ class OptimConfig(_Section):
         "auto", description="Backend for 8-bit optimizers; auto = bitsandbytes, else torchao.")
     lr: float = Field(3e-4, gt=0, description="Peak learning rate.")
     weight_decay: float = Field(0.0, ge=0)
-    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Learning-rate schedule after warm-up.")
+    schedule: Literal["cosine", "linear", "constant"] = Field("cosine", description="Learning-rate schedule after "
+                                                                                    "warm-up.")
     warmup_steps: int = Field(10, ge=0, description="Linear warm-up steps before the schedule.")
     max_grad_norm: float | None = Field(1.0, gt=0, description="Clip gradients to this global norm; null disables.")
     max_nonfinite_steps: int = Field(10, ge=1, description="Stop after this many steps in a row with a non-finite "
@@ -242,7 +254,8 @@ class DistributedConfig(_Section):
 class LoggingConfig(_Section):
     every: int = Field(10, ge=1, description="Write metrics every N steps (and at the first and last).")
     report_to: list[Literal["tensorboard", "wandb", "mlflow"]] | None = Field(
-        None, description="Where metrics go besides metrics.jsonl: null = tensorboard when installed; [] = nowhere else.")
+        None, description="Where metrics go besides metrics.jsonl: null = tensorboard when installed; [] = nowhere "
+                          "else.")
     track_memory: bool = Field(True, description="Measure memory by category with memfit's tracker.")
 
     @field_validator("report_to")
@@ -254,7 +267,8 @@ class LoggingConfig(_Section):
 class RunConfig(_Section):
     model: ModelConfig = Field(default_factory=ModelConfig)
     method: Method = Field("full", description="full fine-tune, or LoRA / QLoRA adapters.")
-    precision: Precision = Field("fp32", description="fp32; bf16/fp16-mixed (autocast, fp32 master weights); bf16-pure.")
+    precision: Precision = Field("fp32", description="fp32; bf16/fp16-mixed (autocast, fp32 master weights); "
+                                                     "bf16-pure.")
     data: DataConfig = Field(default_factory=DataConfig)
     lora: LoraConfig = Field(default_factory=LoraConfig)
     quant: QuantConfig = Field(default_factory=QuantConfig)
@@ -267,9 +281,11 @@ class RunConfig(_Section):
     checkpoints: CheckpointConfig = Field(default_factory=CheckpointConfig)
     distributed: DistributedConfig = Field(default_factory=DistributedConfig)
     budget: str | None = Field(None, description="GPU memory budget for `memfit plan`'s choice before training: null "
-                                                 "(train as configured), auto (the free memory of the device) or a size "
+                                                 "(train as configured), auto (the free memory of the device) or a "
+                                                 "size "
                                                  "like 24GiB; the planner picks the fastest setup that fits.")
-    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out data: loss and perplexity.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation on held-out data: loss and "
+                                                                     "perplexity.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     output_dir: str = Field("runs/latest", description="Where weights, config, metrics and memory report go.")
     overwrite: bool = Field(False, description="Allow writing into an output_dir that already holds a run.")

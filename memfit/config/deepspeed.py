@@ -44,7 +44,8 @@ def read_json(path: str) -> tuple[dict | None, list[str]]:
     try:
         value = json.loads(file.read_text())
     except json.JSONDecodeError as exc:
-        return None, [f"distributed.deepspeed: {path} is not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}"]
+        return None, [f"distributed.deepspeed: {path} is not valid JSON: {exc.msg} at line {exc.lineno}, column "
+                      f"{exc.colno}"]
     except (OSError, UnicodeDecodeError) as exc:
         return None, [f"distributed.deepspeed: cannot read {path}: {exc}"]
     if not isinstance(value, dict):
@@ -54,14 +55,17 @@ def read_json(path: str) -> tuple[dict | None, list[str]]:
 
 def _owned(cfg, ds: dict) -> dict[tuple[str, ...], tuple[object, str]]:
     """JSON path -> (the value the RunConfig gives it, which RunConfig setting that is)."""
-    owned = {("train_micro_batch_size_per_gpu",): (cfg.batch.micro_batch, f"batch.micro_batch: {cfg.batch.micro_batch}"),
-             ("gradient_accumulation_steps",): (cfg.batch.grad_accum, f"batch.grad_accum: {cfg.batch.grad_accum}"),
+    def setting(path: str, value) -> tuple[object, str]:
+        return value, f"{path}: {value}"
+
+    owned = {("train_micro_batch_size_per_gpu",): setting("batch.micro_batch", cfg.batch.micro_batch),
+             ("gradient_accumulation_steps",): setting("batch.grad_accum", cfg.batch.grad_accum),
              ("gradient_clipping",): (cfg.optim.max_grad_norm or 0.0, f"optim.max_grad_norm: {cfg.optim.max_grad_norm}"),
              ("bf16", "enabled"): (cfg.precision == "bf16-mixed", f"precision: {cfg.precision}"),
              ("fp16", "enabled"): (cfg.precision == "fp16-mixed", f"precision: {cfg.precision}")}
     if isinstance(ds.get("optimizer"), dict):
-        owned[("optimizer", "params", "lr")] = (cfg.optim.lr, f"optim.lr: {cfg.optim.lr}")
-        owned[("optimizer", "params", "weight_decay")] = (cfg.optim.weight_decay, f"optim.weight_decay: {cfg.optim.weight_decay}")
+        owned[("optimizer", "params", "lr")] = setting("optim.lr", cfg.optim.lr)
+        owned[("optimizer", "params", "weight_decay")] = setting("optim.weight_decay", cfg.optim.weight_decay)
     return owned
 
 
@@ -100,7 +104,8 @@ def _conflicting_fields(cfg) -> list[str]:
         problems.append(f"distributed.sharding: {cfg.distributed.sharding} with deepspeed: DeepSpeed shards by its own "
                         "zero_optimization.stage; set distributed.sharding: none")
     if cfg.distributed.offload != "none":
-        problems.append(f"distributed.offload: {cfg.distributed.offload} with deepspeed: use zero_optimization.offload_optimizer / "
+        problems.append(f"distributed.offload: {cfg.distributed.offload} with deepspeed: use "
+                        "zero_optimization.offload_optimizer / "
                         "offload_param in the DeepSpeed JSON; set distributed.offload: none")
     for name in ("tensor_parallel", "pipeline_parallel"):
         if getattr(cfg.distributed, name) > 1:
@@ -116,7 +121,8 @@ def _conflicting_fields(cfg) -> list[str]:
         problems.append(f"{which} with deepspeed: the planner and out-of-memory recovery do not model the DeepSpeed "
                         "engine; give micro_batch as a number and leave budget / memory_budget null")
     if cfg.method == "qlora" or cfg.quant.scheme != "none":
-        problems.append(f"method: {cfg.method} with quant: {cfg.quant.scheme} and deepspeed is not supported: quantized "
+        problems.append(f"method: {cfg.method} with quant: {cfg.quant.scheme} and deepspeed is not supported: "
+                        "quantized "
                         "base weights cannot be flattened into ZeRO partitions; use method: lora or full")
     if cfg.precision == "bf16-pure":
         problems.append("precision: bf16-pure with deepspeed: DeepSpeed's bf16 mode keeps fp32 master weights; "
@@ -156,7 +162,8 @@ def deepspeed_problems(cfg) -> list[str]:
                         "(the JSON's optimizer is used when present)")
     if not has_optimizer and cfg.optim.name not in CLIENT_OPTIMIZERS:
         problems.append(f"optim.name: {cfg.optim.name} with deepspeed: ZeRO partitions plain torch optimizers only "
-                        f"({', '.join(CLIENT_OPTIMIZERS)}); choose one, or put an optimizer block in {cfg.distributed.deepspeed}")
+                        f"({', '.join(CLIENT_OPTIMIZERS)}); choose one, or put an optimizer block in "
+                        f"{cfg.distributed.deepspeed}")
     return problems
 
 
@@ -171,14 +178,16 @@ def resolved_config(cfg, world_size: int, hidden_size: int | None = None) -> dic
     train_batch = cfg.batch.micro_batch * cfg.batch.grad_accum * world_size
     given = ds.get("train_batch_size")
     if given not in (None, AUTO) and given != train_batch:
-        raise MemfitError(f"distributed.deepspeed: {cfg.distributed.deepspeed}: train_batch_size is {given} but micro_batch {cfg.batch.micro_batch} "
+        raise MemfitError(f"distributed.deepspeed: {cfg.distributed.deepspeed}: train_batch_size is {given} but "
+                          f"micro_batch {cfg.batch.micro_batch} "
                           f"x grad_accum {cfg.batch.grad_accum} x {world_size} ranks = {train_batch}; "
                           'make them agree or write "auto"')
     ds["train_batch_size"] = train_batch
     for path, rule in _HIDDEN_SIZE_AUTO.items():
         if json_path(ds, path) == AUTO:
             if hidden_size is None:
-                raise MemfitError(f'distributed.deepspeed: {cfg.distributed.deepspeed}: {".".join(path)} is "auto" but the model has no '
+                raise MemfitError(f'distributed.deepspeed: {cfg.distributed.deepspeed}: {".".join(path)} is "auto" but '
+                                  'the model has no '
                                   "hidden_size to fill it from; write a number")
             _set(ds, path, rule(hidden_size))
     return ds

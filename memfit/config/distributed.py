@@ -25,12 +25,14 @@ class DistributedSetupError(MemfitError):
 def config_problems(cfg) -> list[str]:
     """Field combinations no engine here can run. Each message names the fields and a fix."""
     problems = []
-    tp, pp, sharding, offload = cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel, cfg.distributed.sharding, cfg.distributed.offload
+    engines = cfg.distributed
+    tp, pp, sharding, offload = engines.tensor_parallel, engines.pipeline_parallel, engines.sharding, engines.offload
     if offload != "none" and sharding not in FSDP2_STAGES:
-        problems.append(f"distributed.offload: {offload} needs distributed.sharding: zero2 or zero3 (FSDP2's CPUOffloadPolicy); "
-                        f"sharding is {sharding}")
+        problems.append(f"distributed.offload: {offload} needs distributed.sharding: zero2 or zero3 (FSDP2's "
+                        f"CPUOffloadPolicy); sharding is {sharding}")
     if offload == "optimizer":
-        problems.append("distributed.offload: optimizer alone is not offered by FSDP2 (its CPUOffloadPolicy moves parameters, "
+        problems.append("distributed.offload: optimizer alone is not offered by FSDP2 (its CPUOffloadPolicy moves "
+                        "parameters, "
                         "gradients and the optimizer step together): use distributed.offload: all, or DeepSpeed's "
                         "offload_optimizer through a DeepSpeed config")
     if tp > 1 and pp > 1:
@@ -38,7 +40,8 @@ def config_problems(cfg) -> list[str]:
                         "set one of them to 1")
     if (tp > 1 or pp > 1) and sharding != "none":
         which = "tensor_parallel" if tp > 1 else "pipeline_parallel"
-        problems.append(f"{which} > 1 with distributed.sharding: {sharding} is not supported yet: use distributed.sharding: none "
+        problems.append(f"{which} > 1 with distributed.sharding: {sharding} is not supported yet: use "
+                        "distributed.sharding: none "
                         f"(every rank is one tensor-parallel shard or pipeline stage)")
     if (tp > 1 or pp > 1) and cfg.method != "full":
         problems.append(f"method: {cfg.method} with tensor/pipeline parallel is not supported: use method: full, "
@@ -63,10 +66,12 @@ def launch_problems(cfg, world_size: int, model_config=None) -> list[str]:
     problems = []
     tp, pp = cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel
     if tp > 1 and world_size != tp:
-        problems.append(f"distributed.tensor_parallel: {tp} needs exactly {tp} processes (torchrun --nproc-per-node {tp}); "
+        problems.append(f"distributed.tensor_parallel: {tp} needs exactly {tp} processes (torchrun --nproc-per-node "
+                        f"{tp}); "
                         f"got {world_size}")
     if pp > 1 and world_size != pp:
-        problems.append(f"distributed.pipeline_parallel: {pp} needs exactly {pp} processes (torchrun --nproc-per-node {pp}); "
+        problems.append(f"distributed.pipeline_parallel: {pp} needs exactly {pp} processes (torchrun --nproc-per-node "
+                        f"{pp}); "
                         f"got {world_size}")
     if world_size > 1 and cfg.distributed.sharding == "none" and tp == 1 and pp == 1 and not cfg.distributed.deepspeed:
         problems.append(f"{world_size} processes were started but sharding is none: set distributed.sharding: ddp "

@@ -263,15 +263,18 @@ def search_lines(result: Plan) -> list[str]:
     budget, margin = found.budget_bytes, found.margin_bytes
     lines = [f"Budget {budget / 2**30:.2f} GiB per GPU x {result.gpus} GPU(s), margin {margin / 2**30:.2f} GiB "
              f"(plan + margin <= budget); host RAM "
-             f"{'unlimited' if found.host_ram is None else format(found.host_ram / 2**30, '.1f') + ' GiB'} (--host-ram); "
-             f"step times predicted for {found.gpu.name} (--gpu); {found.evaluated} plans estimated in {result.seconds:.2f} s"]
+             f"{'unlimited' if found.host_ram is None else format(found.host_ram / 2**30, '.1f') + ' GiB'} "
+             "(--host-ram); "
+             f"step times predicted for {found.gpu.name} (--gpu); {found.evaluated} plans estimated in "
+             f"{result.seconds:.2f} s"]
     chosen = found.chosen
     if chosen is None:
         lines.append("Recommendation: nothing fits this budget; each family's closest plan and its miss are below "
                      "(more GPUs with --gpus, a shorter --seq-len, or a larger budget)")
     else:
         lines += [f"Recommendation: {chosen.family}: {_settings(chosen.cfg)}",
-                  f"  GPU {chosen.device_bytes / 2**30:.2f} GiB (reserved peak {chosen.estimate.peak_reserved_bytes / 2**30:.2f}"
+                  f"  GPU {chosen.device_bytes / 2**30:.2f} GiB (reserved peak "
+                  f"{chosen.estimate.peak_reserved_bytes / 2**30:.2f}"
                   f" + CUDA context), CPU RAM {chosen.estimate.cpu_ram_bytes / 2**30:.2f} GiB, "
                   f"~{chosen.step_seconds:.2f} s per step ({chosen.tokens_per_second:,.0f} tokens/s predicted), "
                   f"gives up: {'; '.join(chosen.gives_up) or 'nothing'}"]
@@ -281,7 +284,8 @@ def search_lines(result: Plan) -> list[str]:
             lines.append(f"  largest micro_batch that fits this plan at seq_len {chosen.cfg.data.seq_len}: "
                          f"{found.max_micro_batch or 'none'}")
         fastest = found.pareto[0].step_seconds
-        lines += ["", "Fastest plans that fit (each needs less memory than every faster one; time relative to the fastest)",
+        lines += ["", "Fastest plans that fit (each needs less memory than every faster one; time relative to the "
+                      "fastest)",
                   f"  {'GPU GiB':>8} {'CPU GiB':>8} {'time':>6}  family: settings  [gives up]"]
         for c in found.pareto:
             mark = "*" if c is chosen else " "
@@ -296,7 +300,8 @@ def search_lines(result: Plan) -> list[str]:
         if family.max_seq_len is not None:
             limits.append(f"longest seq_len at micro_batch 1: {family.max_seq_len or 'none'}")
         if family.max_micro_batch is not None:
-            limits.append(f"largest micro_batch at seq_len {result.cfg.data.seq_len}: {family.max_micro_batch or 'none'}")
+            limits.append(f"largest micro_batch at seq_len {result.cfg.data.seq_len}: "
+                          f"{family.max_micro_batch or 'none'}")
         if limits:
             lines.append("         " + "; ".join(limits) + " (leanest settings)")
     return lines

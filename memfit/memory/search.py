@@ -312,7 +312,8 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
             continue
         leanest = min(lean, key=lambda c: (not scorer.fits(c), c.device_bytes))
         if leanest.device_bytes <= scorer.limit and not scorer.fits(leanest):
-            results.append(FamilyResult(name, False, f"its leanest plan needs {format_bytes(leanest.estimate.cpu_ram_bytes)}"
+            results.append(FamilyResult(name, False, "its leanest plan needs "
+                                                     f"{format_bytes(leanest.estimate.cpu_ram_bytes)}"
                                                      f" of host RAM; --host-ram is {format_bytes(host_ram)}", leanest))
             continue
         if not scorer.fits(leanest):

@@ -71,16 +71,19 @@ def in_backward_problems(cfg) -> list[str]:
     """Config combinations optimizer_in_backward cannot honour (reported with all other problems)."""
     problems = []
     if cfg.batch.grad_accum != 1:
-        problems.append(f"memory.optimizer_in_backward: needs batch.grad_accum: 1 (each parameter is updated as soon as one "
+        problems.append("memory.optimizer_in_backward: needs batch.grad_accum: 1 (each parameter is updated as soon "
+                        "as one "
                         f"micro-batch's gradient is ready); got batch.grad_accum={cfg.batch.grad_accum}")
     if cfg.optim.max_grad_norm is not None:
-        problems.append(f"memory.optimizer_in_backward: cannot clip by global norm (other parameters are already updated "
+        problems.append("memory.optimizer_in_backward: cannot clip by global norm (other parameters are already "
+                        "updated "
                         f"when it is known); set optim.max_grad_norm: null (got {cfg.optim.max_grad_norm})")
     if cfg.precision == "fp16-mixed":
         problems.append("memory.optimizer_in_backward: fp16-mixed's loss scaler must check every gradient before any "
                         "update; use bf16-mixed or fp32")
     if cfg.distributed.sharding != "none":
-        problems.append(f"memory.optimizer_in_backward: not with distributed.sharding: {cfg.distributed.sharding} (the gradient must be reduced "
+        problems.append(f"memory.optimizer_in_backward: not with distributed.sharding: {cfg.distributed.sharding} (the "
+                        "gradient must be reduced "
                         "across ranks before the update); use distributed.sharding: none")
     return problems
 

@@ -55,7 +55,8 @@ def quant_problems(cfg) -> list[str]:
         problems.append(f"quant: {cfg.quant.scheme} freezes the base weights, so it needs method: lora or qlora "
                         "(got method: full)")
     if cfg.method == "qlora" and cfg.quant.scheme not in FOUR_BIT:
-        problems.append(f"quant: method: qlora needs 4-bit base weights ({', '.join(FOUR_BIT)}); got {cfg.quant.scheme} "
+        problems.append(f"quant: method: qlora needs 4-bit base weights ({', '.join(FOUR_BIT)}); got "
+                        f"{cfg.quant.scheme} "
                         "(for 8-bit base weights use method: lora with quant: int8)")
     if cfg.quant.backend == "torchao" and cfg.quant.scheme not in ("none", *_SUPPORTED["torchao"]):
         problems.append(f"quant.backend: torchao provides only nf4 / nf4-dq base weights, not {cfg.quant.scheme}; "

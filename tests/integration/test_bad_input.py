@@ -123,7 +123,8 @@ CASES = [
     Case("model-no-config", "model folder without config.json", setup=lambda t: _model_dir(t, "empty"),
          mentions=("empty", "config.json")),
     Case("model-unreadable", "model config.json that is not valid JSON",
-         setup=lambda t: _model_dir(t, "garbage", raw="{not json"), mentions=("garbage/config.json", "could not be read")),
+         setup=lambda t: _model_dir(t, "garbage", raw="{not json"), mentions=("garbage/config.json", "could not be "
+                                                                                                     "read")),
     Case("model-unknown-type", "model config.json with an unknown model_type",
          setup=lambda t: _model_dir(t, "unknown", {"model_type": "notamodel"}), mentions=("notamodel",)),
     Case("model-remote-code", "model that ships its own code, trust_remote_code not set",

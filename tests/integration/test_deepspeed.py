@@ -155,7 +155,8 @@ def runs(tmp_path_factory):
     for name, content in USER_JSON.items():
         paths[name] = root / f"{name}.json"
         paths[name].write_text(json.dumps(content, indent=1))
-    (root / "runs.txt").write_text("".join(f"{name} distributed.deepspeed={paths[js]} batch.micro_batch=1 {' '.join(extra)}\n"
+    (root / "runs.txt").write_text("".join(f"{name} distributed.deepspeed={paths[js]} batch.micro_batch=1 "
+                                           f"{' '.join(extra)}\n"
                                            .format(saved=saved) for name, (js, extra, _) in RUNS.items()))
     (root / "worker.py").write_text(WORKER)
 
