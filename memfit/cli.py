@@ -187,6 +187,23 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_report(args) -> int:
+    from pathlib import Path
+
+    from memfit.errors import MemfitError
+    from memfit.memory.timeline import read_timeline, timeline_chart
+
+    text = Path(args.run_dir) / "memory_report.txt"
+    if not text.is_file():
+        raise MemfitError(f"{text} not found: is {args.run_dir} the output_dir of a finished memfit train run?")
+    print(text.read_text().rstrip())
+    if args.chart:
+        timeline_chart(read_timeline(Path(args.run_dir)), Path(args.chart),
+                       f"memory timeline of {args.run_dir} (the step with the highest peak)")
+        print(f"wrote {args.chart}")
+    return 0
+
+
 def cmd_presets(args) -> int:
     from memfit.models.presets import list_presets
 
@@ -249,6 +266,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default); above 0 samples")
     gen.add_argument("--seed", type=int, default=0, help="the sampling seed (default 0)")
     gen.set_defaults(func=cmd_generate)
+
+    report = sub.add_parser("report", help="a finished run's memory report; --chart draws its memory timeline")
+    report.add_argument("run_dir", help="a finished run's output_dir")
+    report.add_argument("--chart", metavar="FILE.png", help="stacked memory by category across the peak step, "
+                                                            "with the estimated phase peaks dashed")
+    report.set_defaults(func=cmd_report)
 
     plan_cmd = sub.add_parser("plan", help="predict a run's peak GPU/CPU memory; with --budget, pick the fastest setup "
                                            "that fits")

@@ -21,6 +21,7 @@ class Estimate:
     engine                 "traced" or "analytic"
     phases                 per phase (load, step, checkpoint_save, merge): {"gpu": bytes, "cpu_ram": bytes}
                            on a single CUDA device (memory/phases.py); empty otherwise
+    step_phase_peaks       traced only: the highest tracked bytes inside forward, backward and optimizer
     """
 
     peak_allocated_bytes: int
@@ -31,6 +32,7 @@ class Estimate:
     engine: str = "analytic"
     notes: list[str] = field(default_factory=list)
     phases: dict[str, dict[str, int]] = field(default_factory=dict)
+    step_phase_peaks: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

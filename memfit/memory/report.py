@@ -22,6 +22,7 @@ class MemoryReport:
     measured_phase_peaks: dict[str, int] = field(default_factory=dict)  # forward, backward, optimizer, eval
     estimated_peak_bytes: int | None = None
     estimated_by_category: dict[str, int] | None = None
+    estimated_phase_peaks: dict[str, int] = field(default_factory=dict)  # the traced step's, same shape
     cuda_max_allocated_bytes: int | None = None
     cuda_max_reserved_bytes: int | None = None
     process_peak_rss_bytes: int | None = None
@@ -49,6 +50,9 @@ class MemoryReport:
         if self.measured_phase_peaks:
             lines.append("measured peak by phase (all tracked bytes live at the time): " + ", ".join(
                 f"{name} {format_bytes(n)}" for name, n in self.measured_phase_peaks.items()))
+        if self.estimated_phase_peaks:
+            lines.append("estimated peak by phase: " + ", ".join(
+                f"{name} {format_bytes(n)}" for name, n in self.estimated_phase_peaks.items()))
         if self.cuda_max_allocated_bytes is not None:
             lines.append(f"torch.cuda.max_memory_allocated: {format_bytes(self.cuda_max_allocated_bytes)}")
             lines.append(f"torch.cuda.max_memory_reserved:  {format_bytes(self.cuda_max_reserved_bytes)}")

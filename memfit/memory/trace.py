@@ -272,7 +272,8 @@ def trace_estimate(cfg: RunConfig, device: str | torch.device | None = None, pad
         notes.append("paged-adamw-8bit: its states live in CUDA unified memory, which "
                      "max_memory_allocated does not count; they are included here")
     estimate = Estimate(peak_allocated_bytes=peak, peak_reserved_bytes=peak,
-                        by_category=tracker.peak_by_category(), engine="traced", notes=notes)
+                        by_category=tracker.peak_by_category(), engine="traced", notes=notes,
+                        step_phase_peaks=dict(tracker.phase_peaks))
     if target.type == "cpu":
         estimate.cpu_ram_bytes = peak  # on CPU the training tensors are host RAM
     else:

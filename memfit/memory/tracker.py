@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 from memfit.tensors import storages
 
 CATEGORIES = ("weights", "gradients", "optimizer_states", "activations", "temporaries")
+TIMELINE_POINTS = 300  # samples kept of one step: enough for a picture, small in the run folder
 # eval: under no_grad nothing is kept for a backward; everything it allocates is transient
 _PHASE_DEFAULT = {"forward": "activations", "backward": "temporaries", "optimizer": "temporaries", "eval": "temporaries",
                   None: "temporaries"}
@@ -57,11 +58,17 @@ def _tensors(obj) -> Iterator[torch.Tensor]:
 class MemoryTracker(TorchDispatchMode):
     """Use as a context manager around the code to measure; query bytes afterwards."""
 
-    def __init__(self, size_fn: Callable[[int], int] | None = None) -> None:
+    def __init__(self, size_fn: Callable[[int], int] | None = None, timeline: bool = False) -> None:
         """`size_fn` maps a storage's bytes to the bytes the device's allocator really hands out
-        (the CUDA caching allocator rounds every block up to 512 B); default: the bytes as they are."""
+        (the CUDA caching allocator rounds every block up to 512 B); default: the bytes as they are.
+        `timeline`: also keep, for the step with the highest peak, live bytes by category after every
+        allocation and free (at most TIMELINE_POINTS samples, the peak among them; see `timeline`)."""
         super().__init__()
         self._size = size_fn or (lambda nbytes: nbytes)
+        self._by_category = dict.fromkeys(CATEGORIES, 0)  # live bytes, kept current for the timeline
+        self._timeline_on = timeline
+        self._events: list[tuple[str | None, tuple[int, ...]]] = []  # this step's samples
+        self._kept: list[tuple[str | None, tuple[int, ...]]] = []    # the highest step's, downsampled
         self._live: dict[int, tuple[weakref.ref, _Block]] = {}
         self._phase: str | None = None
         self.current_bytes = 0
@@ -87,22 +94,24 @@ class MemoryTracker(TorchDispatchMode):
             grown = self._size(storage.nbytes()) - block.nbytes  # resize_ (e.g. FSDP freeing a shard)
             if grown:
                 block.nbytes += grown
-                self._add(grown)
+                self._add(grown, block.category)
             return block
         block = _Block(self._size(storage.nbytes()), category, self._phase)
         self._live[key] = (weakref.ref(storage, lambda _, k=key, b=block: self._free(k, b)), block)
-        self._add(block.nbytes)
+        self._add(block.nbytes, category)
         return block
 
-    def _add(self, nbytes: int) -> None:
+    def _add(self, nbytes: int, category: str) -> None:
         if nbytes < 0:
             self._snapshot_if_pending()
         self.current_bytes += nbytes
+        self._by_category[category] += nbytes
         if self._phase is not None and self.current_bytes > self.phase_peaks.get(self._phase, 0):
             self.phase_peaks[self._phase] = self.current_bytes
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
             self._peak_pending = True
+        self._sample()
 
     def _free(self, key: int, block: _Block) -> None:
         if self._live.get(key, (None, None))[1] is not block:
@@ -110,6 +119,8 @@ class MemoryTracker(TorchDispatchMode):
         self._snapshot_if_pending()
         del self._live[key]
         self.current_bytes -= block.nbytes
+        self._by_category[block.category] -= block.nbytes
+        self._sample()
         # A forward allocation that dies inside the forward was never an activation.
         if self._phase == "forward" and block.phase == "forward" and block.category == "activations":
             block.category = "temporaries"
@@ -136,7 +147,11 @@ class MemoryTracker(TorchDispatchMode):
             if tensor is None:
                 continue
             for storage in storages(tensor):
-                self._record(storage, category).category = category
+                block = self._record(storage, category)
+                if block.category != category:
+                    self._by_category[block.category] -= block.nbytes
+                    self._by_category[category] += block.nbytes
+                    block.category = category
 
     def tag_module(self, module: torch.nn.Module) -> None:
         self.tag(module.parameters(), "weights")
@@ -157,6 +172,24 @@ class MemoryTracker(TorchDispatchMode):
         self.peak_bytes = self.current_bytes
         self._peak_pending = True
 
+    # --- timeline --------------------------------------------------------------------------
+    def _sample(self) -> None:
+        if self._timeline_on:
+            self._events.append((self._phase, tuple(self._by_category[c] for c in CATEGORIES)))
+
+    def mark_step(self) -> None:
+        """A training step begins: keep the step just ended if its peak is the highest so far."""
+        if self._events and max(map(_total, self._events)) >= max(map(_total, self._kept), default=-1):
+            self._kept = _downsample(self._events, TIMELINE_POINTS)
+        self._events = []
+
+    @property
+    def timeline(self) -> list[dict]:
+        """The step with the highest peak: [{"phase": ..., "by_category": {category: bytes}}, ...] in
+        order, at most TIMELINE_POINTS samples; the largest total among them is the peak of that step."""
+        self.mark_step()
+        return [{"phase": phase, "by_category": dict(zip(CATEGORIES, values))} for phase, values in self._kept]
+
     # --- reading ---------------------------------------------------------------------------
     def _sum(self, blocks: Iterable[_Block]) -> dict[str, int]:
         totals = dict.fromkeys(CATEGORIES, 0)
@@ -170,6 +203,19 @@ class MemoryTracker(TorchDispatchMode):
     def peak_by_category(self) -> dict[str, int]:
         self._snapshot_if_pending()
         return self._sum(self._peak_blocks)
+
+
+def _total(event: tuple[str | None, tuple[int, ...]]) -> int:
+    return sum(event[1])
+
+
+def _downsample(events: list, points: int) -> list:
+    """At most `points` events, in order: the largest of each of `points` equal runs, so no peak is lost."""
+    if len(events) <= points:
+        return list(events)
+    size = len(events) / points
+    return [max(events[int(i * size):int((i + 1) * size)] or events[int(i * size):int(i * size) + 1], key=_total)
+            for i in range(points)]
 
 
 class NullTracker:
@@ -191,7 +237,8 @@ class NullTracker:
     def tag(self, tensors, category):
         pass
 
-    tag_gradients = tag_optimizer = tag_module = reset_peak = lambda self, *a: None
+    tag_gradients = tag_optimizer = tag_module = reset_peak = mark_step = lambda self, *a: None
+    timeline: list[dict] = []
 
     def current_by_category(self) -> dict[str, int]:
         return dict.fromkeys(CATEGORIES, 0)

@@ -20,6 +20,7 @@ from memfit.distributed.engine import Engine, make_engine
 from memfit.errors import MemfitError
 from memfit.memory.planner import resolve_budget
 from memfit.memory.report import MemoryReport
+from memfit.memory.timeline import write_timeline
 from memfit.memory.trace import trace_estimate
 from memfit.models.loading import load_tokenizer
 from memfit.models.merge import save_adapter_outputs
@@ -131,8 +132,7 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
     tokenizer = load_tokenizer(cfg.model)
     stream = build_batch_stream(cfg, tokenizer, device, engine.ctx.dp_rank, engine.ctx.dp_size)  # this rank's slice
     run = build_run(cfg, device, on_meta=engine.builds_on_meta, place_on=engine.place_on, wrap=engine.wrap)
-    model, optimizer = run.model, run.optimizer
-    precision = engine.precision(model, run.precision)
+    model, optimizer, precision = run.model, run.optimizer, engine.precision(run.model, run.precision)
     scheduler = make_scheduler(engine.torch_optimizer(optimizer), cfg.optim, cfg.max_steps)
     out = engine.on_main_first(prepare_output_dir)
     state = engine.resume(out, model, optimizer, scheduler, precision.scaler, stream)
@@ -150,6 +150,7 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
         tracker.tag_module(model)
         for step in bar:
             started, peak_before = time.perf_counter(), tracker.peak_bytes
+            tracker.mark_step()
             micro_batches = next_micro_batches(stream, cfg.batch.grad_accum, device, tracker)
             result = oom.run(lambda pieces: training_step(
                 model, optimizer, pieces, precision, tracker, run.params, cfg.optim.max_grad_norm,
@@ -181,7 +182,7 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
     report = measured_report(tracker, device)
     if cfg.logging.track_memory and engine.traced:  # the plan beside the measurement (trace.py)
         add_estimate(report, cfg, device, peak_shape)
-    finish(engine, model, tokenizer, out, report)
+    finish(engine, model, tokenizer, out, report, tracker.timeline)
     return RunResult(out, state.losses, report)
 
 
@@ -228,7 +229,7 @@ def check_finite(step: int, nonfinite_in_row: int, cfg: RunConfig, out: Path) ->
         "Lower lr or check the data, then resume=true")
 
 
-def finish(engine: Engine, model, tokenizer, out: Path, report: MemoryReport) -> None:
+def finish(engine: Engine, model, tokenizer, out: Path, report: MemoryReport, timeline: list[dict]) -> None:
     """The final model and the memory report; under torchrun every rank calls this (the saves are collective)."""
     engine.note_memory(report, out)  # every rank's peak; what the tracker cannot see inside DeepSpeed
     engine.save_final(model, tokenizer, out)
@@ -236,6 +237,7 @@ def finish(engine: Engine, model, tokenizer, out: Path, report: MemoryReport) ->
         save_adapter_outputs(unwrap(model), engine.cfg, out)  # random-init base next to the adapter; merged if asked
         (out / "memory_report.txt").write_text(report.to_text() + "\n")
         (out / "memory_report.json").write_text(report.to_json() + "\n")
+        write_timeline(out, timeline, report)  # memory_timeline.json, and its picture when matplotlib is there
     engine.teardown()
 
 
@@ -271,6 +273,7 @@ def add_estimate(report: MemoryReport, cfg: RunConfig, device: torch.device, sha
         return
     report.estimated_peak_bytes = at_peak.peak_allocated_bytes
     report.estimated_by_category = dict(at_peak.by_category)
+    report.estimated_phase_peaks = dict(at_peak.step_phase_peaks)
     if shape is not None:
         report.estimated_shape = {"micro_batch": shape.micro_batch, "seq_len": shape.seq_len,
                                   "grad_accum": shape.grad_accum}

@@ -38,28 +38,30 @@ AUTO_MAX_MICRO_BATCH = 1024  # search ceiling for micro_batch: auto
 class MemoryBudget(MemoryTracker):
     """A MemoryTracker that fails an allocation taking the tracked total above `limit_bytes`."""
 
-    def __init__(self, limit_bytes: int, size_fn=None):
-        super().__init__(size_fn)
+    def __init__(self, limit_bytes: int, size_fn=None, timeline: bool = False):
+        super().__init__(size_fn, timeline)
         self.limit_bytes = limit_bytes
 
-    def _add(self, nbytes: int) -> None:
+    def _add(self, nbytes: int, category: str) -> None:
         if nbytes > 0 and self.current_bytes + nbytes > self.limit_bytes:
             # Like a real failed allocation, it never counts toward the peak. The storage is already
             # recorded, and its weak reference gives the bytes back when the failed op's output is
             # dropped, so current_bytes carries them until then.
             self._snapshot_if_pending()
             self.current_bytes += nbytes
+            self._by_category[category] += nbytes
             raise torch.OutOfMemoryError(
                 f"memory.limit: allocating {format_bytes(nbytes)} would hold "
                 f"{format_bytes(self.current_bytes)}, above the budget of {format_bytes(self.limit_bytes)}")
-        super()._add(nbytes)
+        super()._add(nbytes, category)
 
 
 def make_tracker(cfg):
-    """The run's tracker: a MemoryBudget when memory_budget is set, else as track_memory says."""
+    """The run's tracker (with the peak step's timeline): a MemoryBudget when memory.limit is set, else as
+    logging.track_memory says."""
     if cfg.memory.limit is not None:
-        return MemoryBudget(cfg.memory.limit_bytes)
-    return MemoryTracker() if cfg.logging.track_memory else NullTracker()
+        return MemoryBudget(cfg.memory.limit_bytes, timeline=True)
+    return MemoryTracker(timeline=True) if cfg.logging.track_memory else NullTracker()
 
 
 def smaller_split(micro_batch: int) -> int:
