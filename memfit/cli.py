@@ -222,7 +222,12 @@ def _print_summary(result) -> None:
     print(result.report.to_text())
     print(f"loss: {result.losses[0]:.3f} at step 1 -> {result.losses[-1]:.3f} at step {len(result.losses)} "
           f"(mean of last 10 steps: {sum(result.losses[-10:]) / len(result.losses[-10:]):.3f})")
-    print(f"outputs in {result.output_dir}/: model.safetensors, run_config.yaml, metrics.jsonl, memory_report.txt/json")
+    if result.eval_losses:
+        best = min(result.eval_losses, key=result.eval_losses.get)
+        print("eval loss by step: " + ", ".join(f"{step} {loss:.3f}" for step, loss in result.eval_losses.items())
+              + f" (lowest at step {best})")
+    print(f"outputs in {result.output_dir}/: model.safetensors, run_config.yaml, metrics.jsonl, memory_report.txt/json, "
+          "memory_timeline.json/png")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -61,13 +61,15 @@ class Evaluation:
         self.every, self.last_step, self.save_best = cfg.eval.every, cfg.max_steps, cfg.eval.save_best
         self.batches = eval_batches(cfg, tokenizer) if cfg.eval.enabled else None
         self.best_loss = float("inf")
+        self.losses: dict[int, float] = {}  # step -> eval loss
 
     def due(self, step: int) -> bool:
         return self.batches is not None and (step == self.last_step or bool(self.every and step % self.every == 0))
 
-    def run(self, model, loss_fn, autocast, tracker, device: torch.device) -> tuple[EvalResult, bool]:
+    def run(self, step: int, model, loss_fn, autocast, tracker, device: torch.device) -> tuple[EvalResult, bool]:
         """The scores, and whether they are the best so far and save_best wants them kept."""
         scores = evaluate(model, self.batches, loss_fn, autocast, tracker, device)
+        self.losses[step] = scores.loss
         best = scores.loss < self.best_loss
         self.best_loss = min(self.best_loss, scores.loss)
         return scores, best and self.save_best

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -65,6 +65,7 @@ class RunResult:
     output_dir: Path
     losses: list[float]
     report: MemoryReport
+    eval_losses: dict[int, float] = field(default_factory=dict)  # step -> eval loss, this run's evaluations
 
 
 def prepare_output_dir(cfg: RunConfig) -> Path:
@@ -166,7 +167,7 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
             log_step(metrics, bar, cfg, step, result, lr, time.perf_counter() - started, stream.epoch, tracker,
                      nonfinite_in_row, state.nonfinite_total)
             if evaluation.due(step):
-                scores, keep = evaluation.run(model, strategies["loss_fn"], precision.autocast, tracker, device)
+                scores, keep = evaluation.run(step, model, strategies["loss_fn"], precision.autocast, tracker, device)
                 log_eval(metrics, bar if progress and engine.is_main else None, step, scores)
                 if keep:  # sharded: every rank takes part
                     engine.save_final(model, tokenizer, out / "best")
@@ -183,7 +184,7 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
     if cfg.logging.track_memory and engine.traced:  # the plan beside the measurement (trace.py)
         add_estimate(report, cfg, device, peak_shape)
     finish(engine, model, tokenizer, out, report, tracker.timeline)
-    return RunResult(out, state.losses, report)
+    return RunResult(out, state.losses, report, evaluation.losses)
 
 
 def next_micro_batches(stream, count: int, device: torch.device, tracker) -> list[dict]:
