@@ -226,8 +226,10 @@ def _print_summary(result) -> None:
         best = min(result.eval_losses, key=result.eval_losses.get)
         print("eval loss by step: " + ", ".join(f"{step} {loss:.3f}" for step, loss in result.eval_losses.items())
               + f" (lowest at step {best})")
-    print(f"outputs in {result.output_dir}/: model.safetensors, run_config.yaml, metrics.jsonl, memory_report.txt/json, "
-          "memory_timeline.json/png")
+    from pathlib import Path
+
+    written = sorted(p.name + ("/" if p.is_dir() else "") for p in Path(result.output_dir).iterdir())
+    print(f"outputs in {result.output_dir}/: {', '.join(written)}")
 
 
 def build_parser() -> argparse.ArgumentParser:

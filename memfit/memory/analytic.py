@@ -17,7 +17,8 @@ from memfit.memory.estimate import Estimate
 from memfit.memory.model_shape import ModelShape, model_shape
 from memfit.memory.phases import phase_peaks
 from memfit.memory.single_device import (ALLOCATOR_SEGMENT_BYTES, _loss_buffer_bytes,
-                                         beyond_basics_terms, cpu_ram_bytes, optimizer_state_bytes, peak_candidates,
+                                         beyond_basics_terms, cpu_ram_bytes, eval_bytes, optimizer_state_bytes,
+                                         peak_candidates,
                                          runtime_overheads, shard_model_states, strategy_host_bytes,
                                          weights_bytes)
 from memfit.memory.tracker import CATEGORIES
@@ -73,11 +74,11 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
 
 
 def _phases(shape: ModelShape, cfg: RunConfig, reserved: int, by_category: dict, ram: dict) -> dict:
-    """Load, step, checkpoint save (and merge) peaks of a single-GPU run (memory/phases.py)."""
+    """Load, step, eval, checkpoint save (and merge) peaks of a single-GPU run (memory/phases.py)."""
     base = ram["runtime"] + ram.get("data", 0)
     step_ram = sum(v for k, v in ram.items() if k != "model_load")
     return phase_peaks(shape, cfg, reserved, step_ram, weights_bytes(shape, cfg), optimizer_state_bytes(shape, cfg),
-                       ram.get("model_load", 0), base)
+                       ram.get("model_load", 0), base, eval_bytes(shape, cfg) if cfg.eval.enabled else None)
 
 
 def device_total_bytes(estimate: Estimate) -> int:

@@ -19,9 +19,10 @@ class Estimate:
     overheads              named terms the tracker cannot see (e.g. "cuda_context"), bytes
     cpu_ram_bytes          host RAM: loading path, data side, anything offloaded
     engine                 "traced" or "analytic"
-    phases                 per phase (load, step, checkpoint_save, merge): {"gpu": bytes, "cpu_ram": bytes}
+    phases                 per phase (load, step, eval, checkpoint_save, merge): {"gpu": bytes, "cpu_ram": bytes}
                            on a single CUDA device (memory/phases.py); empty otherwise
-    step_phase_peaks       traced only: the highest tracked bytes inside forward, backward and optimizer
+    step_phase_peaks       traced only: the highest tracked bytes inside forward, backward, optimizer
+                           and (when the run evaluates) eval
     """
 
     peak_allocated_bytes: int

@@ -1,8 +1,8 @@
-"""Peaks outside the training step: loading the model, saving a checkpoint, merging adapters.
+"""Peaks outside the training step: loading the model, evaluating, saving a checkpoint, merging adapters.
 
 The step's peak is the analytic estimate itself; these phases run before or after it and can set
-the run's peak on their own (a quantize-on-load that holds a 16-bit layer beside the 4-bit model, a
-checkpoint that copies the trainable weights and optimizer states to host RAM). Each phase is GPU
+the run's peak on their own (a quantize-on-load that holds a 16-bit layer beside the 4-bit model, an
+evaluation whose micro-batch materialises full logits, a checkpoint that copies the trainable weights and optimizer states to host RAM). Each phase is GPU
 bytes (tensors on the device) and host RAM bytes, per process.
 """
 
@@ -50,12 +50,15 @@ def merge_phase(shape: ModelShape, cfg, host_base: int) -> dict[str, int] | None
 
 
 def phase_peaks(shape: ModelShape, cfg, step_gpu: int, step_ram: int, weights: int, states: int,
-                host_load: int, host_base: int) -> dict[str, dict[str, int]]:
+                host_load: int, host_base: int, eval_gpu: int | None = None) -> dict[str, dict[str, int]]:
     """Every phase of a run with its GPU bytes (allocated tensors; the step's figure is its reserved
-    peak) and its host RAM; the step as estimated."""
+    peak) and its host RAM; the step as estimated, and the evaluation (`eval_gpu`, when the run
+    evaluates: single_device.eval_bytes) with the step's host RAM."""
     phases = {"load": load_phase(shape, cfg, weights, host_load, host_base),
               "step": {"gpu": step_gpu, "cpu_ram": step_ram},
               "checkpoint_save": checkpoint_phase(shape, cfg, weights, states, host_base)}
+    if eval_gpu is not None:
+        phases["eval"] = {"gpu": eval_gpu, "cpu_ram": step_ram}
     merge = merge_phase(shape, cfg, host_base)
     if merge is not None and cfg.lora.merge:
         phases["merge"] = merge

@@ -212,6 +212,28 @@ def activation_bytes(shape: ModelShape, cfg: RunConfig) -> int:
                + _weight_copies_bytes(shape, cfg))
 
 
+def eval_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """The evaluation after a step (train/evaluate.py): gradients are freed and nothing is saved for
+    backward, so beside the weights and optimizer states only the working set of one eval
+    micro-batch is alive: the residual stream, the 16-bit copies of trained weights under autocast, and
+    the larger of one layer's intermediates and the loss (16-bit logits, their fp32 upcast and the
+    fp32 log-softmax; with the chunked loss, one chunk of them)."""
+    cfg = cfg.updated({"batch.micro_batch": cfg.eval.micro_batch or cfg.batch.micro_batch})
+    tokens = cfg.batch.micro_batch * cfg.data.seq_len
+    c = _compute_size(cfg)
+    logits_per_token = shape.vocab * (8 + (c if c != 4 else 0))
+    loss = logits_per_token * (min(tokens, auto_chunk_tokens(tokens, shape.vocab, shape.hidden))
+                               if cfg.memory.chunked_loss else tokens)
+    width = shape.intermediate * shape.experts_per_token
+    layer = (tokens * width * c * (3 if shape.family == "llama" else 2) + _attention_scores_bytes(shape, cfg)
+             + _dequant_bytes(shape, cfg))
+    copies = 0  # autocast caches its 16-bit casts of weights that require grad, also under no_grad
+    if cfg.method == "full" and c != _weight_size(cfg):
+        copies = 2 * (shape.block_linear_params + (shape.lm_head_params or shape.embedding_params))
+    return int(weights_bytes(shape, cfg) + optimizer_state_bytes(shape, cfg) + copies
+               + 2 * tokens * shape.hidden * c + max(layer, loss))
+
+
 def _head_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """What the final norm and the lm_head save; both are freed before the last layer's backward."""
     tokens = cfg.batch.micro_batch * cfg.data.seq_len

@@ -169,6 +169,18 @@ class _GradientsOnly(torch.nn.Module):
         return SimpleNamespace(loss=loss)
 
 
+def _trace_evaluation(cfg: RunConfig, model, loss_fn, precision, tracker, padded: bool) -> None:
+    """The evaluation that follows a step (train/evaluate.py): gradients freed, one full-length
+    eval micro-batch through the run's own loss under no_grad, in the tracker's eval phase."""
+    eval_cfg = cfg.updated({"batch.micro_batch": cfg.eval.micro_batch or cfg.batch.micro_batch})
+    batch = fake_batch(eval_cfg, padded)
+    tracker.tag(batch.values(), "activations")
+    model.eval()
+    with torch.no_grad(), tracker.phase("eval"), precision.autocast():
+        loss_fn(model, batch, 1)
+    model.train()
+
+
 def fake_batch(cfg: RunConfig, padded: bool) -> dict[str, torch.Tensor]:
     """A micro-batch shaped like the loader's, every sequence at full length (the worst case).
 
@@ -266,6 +278,8 @@ def trace_estimate(cfg: RunConfig, device: str | torch.device | None = None, pad
                 else:
                     training_step(model, optimizer, micro_batches, precision, tracker, params,
                                   cfg.optim.max_grad_norm, **strategies)
+            if cfg.eval.enabled:
+                _trace_evaluation(cfg, model, strategies["loss_fn"], precision, tracker, padded)
 
     peak = tracker.peak_bytes
     if target.type == "cuda" and cfg.optim.name == "paged-adamw-8bit":

@@ -77,7 +77,7 @@ class _MLflow:
     def __init__(self, out: Path, config: dict):
         self.mlflow = require("mlflow", "report_to: mlflow")
         self.mlflow.start_run(run_name=out.name)
-        self.mlflow.log_params({k: str(v)[:250] for k, v in config.items()})
+        self.mlflow.log_params({k: str(v)[:250] for k, v in _flat(config).items()})  # MLflow's value limit
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.mlflow.log_metrics({k.replace("/", "."): v for k, v in values.items()}, step=step)
@@ -87,6 +87,17 @@ class _MLflow:
 
     def close(self) -> None:
         self.mlflow.end_run()
+
+
+def _flat(config: dict, prefix: str = "") -> dict:
+    """A sectioned config as dotted names (optim.lr), the way the command line names them."""
+    out = {}
+    for key, value in config.items():
+        if isinstance(value, dict):
+            out.update(_flat(value, f"{prefix}{key}."))
+        else:
+            out[prefix + key] = value
+    return out
 
 
 _MAKERS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _MLflow}

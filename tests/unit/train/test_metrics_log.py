@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -40,7 +41,40 @@ def test_other_ranks_write_nothing(tmp_path):
     assert not (tmp_path / "metrics.jsonl").exists() and not (tmp_path / "tensorboard").exists()
 
 
-def test_tensorboard_is_the_default_and_a_missing_sink_package_is_named_at_load():
+def test_tensorboard_is_the_default_and_a_missing_sink_package_is_named_at_load(monkeypatch):
     assert default_sinks() == ["tensorboard"]  # it is in requirements.txt
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real_find_spec(name, *a))
     with pytest.raises(ConfigError, match=r"report_to: wandb needs the 'wandb' package: pip install wandb"):
         load_config(None, ["logging.report_to=[wandb]"])
+
+
+def test_weights_and_biases_gets_the_same_scalars(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")  # no account, no network: the run is written under RUN_DIR/wandb
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    logged, real_log = [], wandb.Run.log
+    monkeypatch.setattr(wandb.Run, "log", lambda run, values, step: (logged.append((step, values)),
+                                                                       real_log(run, values, step=step)))
+    with MetricsLog(tmp_path, ["wandb"], {"lr": 1e-3}) as log:
+        log.write(RECORD)
+        log.write({**RECORD, "step": 4, "loss": 2.0})
+        assert log.sinks[0].run.config["lr"] == 1e-3
+    assert logged == [(3, scalars(RECORD, "train")), (4, {**scalars(RECORD, "train"), "train/loss": 2.0})]
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and next(runs[0].glob("run-*.wandb")).stat().st_size > 0  # `wandb sync` uploads it
+    assert wandb.run is None  # finished on exit
+
+
+def test_mlflow_gets_the_same_scalars(tmp_path, monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())  # a local file store
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    with MetricsLog(tmp_path, ["mlflow"], {"optim": {"lr": 1e-3}}) as log:
+        log.write(RECORD)
+        log.write({**RECORD, "step": 4, "loss": 2.0})
+        run_id = mlflow.active_run().info.run_id
+    client = mlflow.tracking.MlflowClient()
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "train.loss")] == [(3, 2.5), (4, 2.0)]
+    assert client.get_run(run_id).data.params["optim.lr"] == "0.001"
+    assert mlflow.active_run() is None
