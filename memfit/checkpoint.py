@@ -42,6 +42,8 @@ CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "manifest.json"
 PAUSE_ENV = "MEMFIT_CHECKPOINT_PAUSE_S"
 _NAME = re.compile(r"^step-(\d{8,})$")
+# Folder names of every kind of checkpoint memfit writes (single process, sharded, DeepSpeed, unfinished).
+CHECKPOINT_PREFIXES = ("step-", "sharded-step-", "deepspeed-step-", ".tmp-")
 FORMAT_VERSION = 1
 
 
@@ -331,7 +333,13 @@ def resume_state(resume: bool, out: Path, model, optimizer, scheduler, scaler, s
 
 
 def discard_checkpoints(out: Path) -> None:
-    """overwrite=true: the old run's checkpoints must not be resumed into the new one."""
+    """overwrite=true: the old run's checkpoints must not be resumed into the new one. Only memfit's
+    own checkpoint folders go; anything else a user keeps in checkpoints/ stays."""
     root = Path(out) / CHECKPOINTS_DIR
-    if root.is_dir():
-        _discard(root)
+    if not root.is_dir():
+        return
+    for path in root.iterdir():
+        if path.is_dir() and any(path.name.startswith(prefix) for prefix in CHECKPOINT_PREFIXES):
+            _discard(path)
+    if not any(root.iterdir()):
+        root.rmdir()

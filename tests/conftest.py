@@ -20,7 +20,8 @@ def tiny_overrides(output_dir, **extra) -> list[str]:
     paths, or a field's own name where it is unique (micro_batch=2 for batch.micro_batch=2)."""
     base = {"output_dir": str(output_dir), "max_steps": 20, "data.seq_len": 128, "batch.micro_batch": 8,
             "optim.lr": 3e-3, "optim.warmup_steps": 2, "data.limit": 256, "logging.every": 1, "device": "cpu",
-            "logging.report_to": "[]"}  # metrics.jsonl only; the TensorBoard sink has tests of its own
+            "logging.report_to": "[]",
+            "model.init": "random"}  # metrics.jsonl only; the TensorBoard sink has tests of its own
     base.update({RENAMED.get(key, key): value for key, value in extra.items()})
     return [f"{k}={v}" for k, v in base.items()]
 

@@ -55,6 +55,10 @@ class ModelConfig(_Section):
     trust_remote_code: bool = Field(False, description="Run Python code shipped with the model. Only for models you "
                                                        "trust.")
     revision: str | None = Field(None, description="Hub revision (branch, tag or commit) when loading by hub id.")
+    init: Literal["pretrained", "random"] = Field("pretrained", description=(
+        "`pretrained`: train the model's real weights (a folder's, or the hub's for a hub id or a preset named "
+        "by one); stop if there are none. `random`: start from random weights (memfit's own presets, "
+        "config-only folders, experiments)."))
 
 
 class DataConfig(_Section):
@@ -81,6 +85,9 @@ class DataConfig(_Section):
                                                       "ready.")
     skip_bad_records: bool = Field(False, description="Skip malformed records (counted and reported) instead of "
                                                       "stopping at the first with its file and line.")
+    max_record_bytes: int = Field(1 << 20, ge=1, description="Largest raw record, in bytes of text, memfit reads "
+                                                             "(1 MiB); bigger ones are errors naming file:line, or "
+                                                             "skipped and counted with data.skip_bad_records.")
     shuffle_buffer: int = Field(10_000, ge=0, description="Streaming: examples held to shuffle within (0 = file "
                                                           "order).")
     group_by_length: bool = Field(False, description="Batch examples of similar length together (less padding; "
@@ -265,7 +272,8 @@ class LoggingConfig(_Section):
 
 
 class RunConfig(_Section):
-    model: ModelConfig = Field(default_factory=ModelConfig)
+    # With no model named, memfit trains its built-in tiny shape, which has no pretrained weights.
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(init="random"))
     method: Method = Field("full", description="full fine-tune, or LoRA / QLoRA adapters.")
     precision: Precision = Field("fp32", description="fp32; bf16/fp16-mixed (autocast, fp32 master weights); "
                                                      "bf16-pure.")

@@ -3,9 +3,9 @@
 `encode_chunk` is the unit of work every path shares (in-memory, streaming workers, `memfit data
 prepare` workers): a list of raw records in, examples and problems out. Problems are returned,
 not raised, so a worker process never dies on bad input; `ProblemLog` in the parent decides:
-a malformed record stops the run with its file and line, unless `data.skip_bad_records`; empty
-examples and ones with no response tokens left after truncation are always skipped, counted and
-reported (never silently trained on).
+a malformed record, or one over `data.max_record_bytes`, stops the run with its file and line,
+unless `data.skip_bad_records`; empty examples and ones with no response tokens left after
+truncation are always skipped, counted and reported (never silently trained on).
 """
 
 from __future__ import annotations
@@ -14,13 +14,14 @@ import logging
 from dataclasses import dataclass, field
 
 from memfit.data.formats import remap_fields, render_segments
-from memfit.data.sources import DataError, parse_item
+from memfit.data.sources import DataError, OversizeRecord, parse_item
 
 log = logging.getLogger(__name__)
 IGNORE_INDEX = -100  # label value that cross-entropy skips
 
-BAD, EMPTY, NO_RESPONSE = "malformed", "empty", "no-response"
+BAD, OVERSIZE, EMPTY, NO_RESPONSE = "malformed", "oversize", "empty", "no-response"
 _KIND_TEXT = {BAD: "malformed record(s) skipped (data.skip_bad_records)",
+              OVERSIZE: "oversize record(s) skipped (data.skip_bad_records)",
               EMPTY: "empty example(s) skipped: nothing to learn from",
               NO_RESPONSE: "example(s) skipped: the prompt fills seq_len, no response token is left to learn"}
 
@@ -51,6 +52,9 @@ def encode_chunk(items: list[tuple[str, object]], spec: EncodeSpec) -> ChunkResu
     """Parse, render and tokenize a chunk of records (one batched tokenizer call: much faster)."""
     rendered, problems = [], []
     for where, item in items:
+        if isinstance(item, OversizeRecord):
+            problems.append((OVERSIZE, f"{where}: {item.problem}"))
+            continue
         try:
             record = remap_fields(parse_item(where, item), spec.fields)
             segments, templated = render_segments(record, spec.format, spec.tokenizer)
@@ -95,8 +99,13 @@ def _assemble(pieces: list[list[int]], trainable: list[bool], templated: bool, s
     return {"input_ids": input_ids[:spec.seq_len], "labels": labels[:spec.seq_len]}
 
 
+# The kinds that stop the run unless data.skip_bad_records, and what the error adds.
+_STOP_HINT = {BAD: "\n(set data.skip_bad_records=true to skip and count such records)",
+              OVERSIZE: " (raise it or set data.skip_bad_records=true)"}
+
+
 class ProblemLog:
-    """Counts skipped examples by kind; a malformed record raises unless skipping is allowed."""
+    """Counts skipped examples by kind; a malformed or oversize record raises unless skipping is allowed."""
 
     def __init__(self, skip_bad_records: bool, keep: int = 3):
         self.skip_bad_records, self.keep = skip_bad_records, keep
@@ -104,8 +113,8 @@ class ProblemLog:
         self.samples: dict[str, list[str]] = {}
 
     def add(self, kind: str, message: str) -> None:
-        if kind == BAD and not self.skip_bad_records:
-            raise DataError(f"{message}\n(set data.skip_bad_records=true to skip and count such records)")
+        if kind in _STOP_HINT and not self.skip_bad_records:
+            raise DataError(message + _STOP_HINT[kind])
         self.counts[kind] = self.counts.get(kind, 0) + 1
         if len(self.samples.setdefault(kind, [])) < self.keep:
             self.samples[kind].append(message)

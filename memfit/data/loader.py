@@ -34,7 +34,7 @@ def load_examples(cfg: DataConfig, tokenizer, seq_len: int, packing: bool = Fals
     """Tokenize the whole dataset into a list in RAM (fine for small data; see `memfit data prepare`).
     `keep`: which tokenized examples to use (before packing), e.g. all but the held-out ones."""
     spec, problems, examples = EncodeSpec.from_config(cfg, tokenizer, seq_len), ProblemLog(cfg.skip_bad_records), []
-    for chunk in chunked(iter_raw(cfg.path, cfg.split, cfg.limit), CHUNK_RECORDS):
+    for chunk in chunked(iter_raw(cfg.path, cfg.split, cfg.limit, cfg.max_record_bytes), CHUNK_RECORDS):
         result = encode_chunk(chunk, spec)
         problems.add_all(result.problems)
         examples += result.examples if keep is None else [e for e in result.examples if keep(e)]

@@ -154,8 +154,8 @@ def prepare_dataset(cfg, tokenizer, out_dir: str | Path, overwrite: bool = False
     bar = tqdm(desc="tokenizing", unit=" records", disable=not progress)
 
     def examples():
-        for result in _encoded_chunks(chunked(iter_raw(cfg.data.path, cfg.data.split, cfg.data.limit), CHUNK_RECORDS),
-                                      spec, cfg.data.num_workers):
+        records = iter_raw(cfg.data.path, cfg.data.split, cfg.data.limit, cfg.data.max_record_bytes)
+        for result in _encoded_chunks(chunked(records, CHUNK_RECORDS), spec, cfg.data.num_workers):
             problems.add_all(result.problems)
             report.records += result.records
             bar.update(result.records)

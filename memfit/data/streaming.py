@@ -22,24 +22,26 @@ import torch
 from memfit.data.batching import CHUNK_RECORDS, chunked, collate
 from memfit.data.examples import EncodeSpec, ProblemLog, encode_chunk
 from memfit.data.packing import pack_examples
-from memfit.data.sources import DataError, iter_raw
+from memfit.data.sources import MAX_RECORD_BYTES, DataError, iter_raw
 
 
 class EncodedChunks(torch.utils.data.IterableDataset):
     """Yields one ChunkResult per chunk of raw records; each worker encodes its share only."""
 
     def __init__(self, path: str, split: str, limit: int | None, spec: EncodeSpec, rank: int = 0, world: int = 1,
-                 chunk_records: int = CHUNK_RECORDS):
+                 chunk_records: int = CHUNK_RECORDS, max_record_bytes: int = MAX_RECORD_BYTES):
         self.path, self.split, self.limit, self.spec = path, split, limit, spec
         self.rank, self.world, self.chunk_records = rank, world, chunk_records
+        self.max_record_bytes = max_record_bytes
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info else (0, 1)
         # data parallel: rank r owns records r, r + world, ... (reading a record is cheap, parsing
         # and tokenizing it is not); chunk k of the rank's records goes to worker k mod W.
-        records = (item for index, item in enumerate(iter_raw(self.path, self.split, self.limit))
-                   if index % self.world == self.rank)
+        # Every worker reads every record; one of them reports invalid UTF-8.
+        raw = iter_raw(self.path, self.split, self.limit, self.max_record_bytes, warn=worker == 0)
+        records = (item for index, item in enumerate(raw) if index % self.world == self.rank)
         for index, chunk in enumerate(chunked(records, self.chunk_records)):
             if index % workers == worker:
                 yield encode_chunk(chunk, self.spec)
@@ -81,7 +83,8 @@ class StreamingBatches:
         self._items: Iterator[dict] | None = None
 
     def _examples(self, problems: ProblemLog) -> Iterator[dict]:
-        dataset = EncodedChunks(self.data.path, self.data.split, self.data.limit, self.spec, self.rank, self.world)
+        dataset = EncodedChunks(self.data.path, self.data.split, self.data.limit, self.spec, self.rank, self.world,
+                                max_record_bytes=self.data.max_record_bytes)
         workers = self.data.num_workers
         if workers:
             os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism

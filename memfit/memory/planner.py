@@ -21,7 +21,8 @@ from memfit.memory.model_shape import model_shape, trainable_params
 from memfit.memory.search import SEARCHED, Candidate, SearchResult, config_summary, search
 from memfit.memory.single_device import _trainable_size
 from memfit.memory.trace import trace_estimate
-from memfit.models.loading import load_model_config
+from memfit.models.loading import load_model_config, missing_weights
+from memfit.models.validate import check_model, model_where
 from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import format_bytes, parse_bytes
 
@@ -85,8 +86,10 @@ def plan(model_name: str, cfg: RunConfig, budget_bytes: int | None = None, gpus:
     reference = reference_gpu(gpu, budget_bytes)
     fixed = user_fixed_fields(cfg) if fixed is None else fixed
     if cfg.model.name != model_name:
-        cfg = cfg.updated({"model.name": model_name})
+        # Another model: its weights are the default again, whatever init the configured model had.
+        cfg = cfg.updated({"model.name": model_name, "model.init": "pretrained"})
     model_config, _ = load_model_config(cfg.model)
+    check_model(cfg, model_config, model_where(cfg.model), gpus)
     described = cfg
     if not isinstance(cfg.batch.micro_batch, int):
         described = cfg.updated({"batch.micro_batch": 1})
@@ -312,6 +315,9 @@ def write_config(result: Plan, path: str) -> RunConfig:
     from pathlib import Path
 
     cfg = result.recommendation.cfg if result.recommendation else result.cfg
+    if missing_weights(cfg.model):
+        # A shape without weights anywhere: the written run says outright that it starts from random ones.
+        cfg = cfg.updated({"model.init": "random"})
     target = Path(path)
     if target.is_dir():
         raise MemfitError(f"--write-config {path}: is a folder; give a file name such as {target / 'plan.yaml'}")

@@ -17,6 +17,7 @@ class MemoryReport:
     from the planner when one was made: for `estimated_shape` (the batch the measured peak ran on,
     so both sides see the same tensors), with the full-length plan as `worst_case_*`."""
 
+    tracked: bool = True  # False: logging.track_memory was off, so no category was measured
     measured_peak_bytes: int = 0
     measured_by_category: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     measured_phase_peaks: dict[str, int] = field(default_factory=dict)  # forward, backward, optimizer, eval
@@ -35,18 +36,9 @@ class MemoryReport:
         return json.dumps(asdict(self), indent=2)
 
     def to_text(self) -> str:
-        with_estimate = self.estimated_by_category is not None
-        header = f"{'category':<18}{'measured':>14}" + (f"{'estimated':>14}{'error':>9}" if with_estimate else "")
-        lines = ["Peak memory by category (tensor storage bytes at the step's peak)", header, "-" * len(header)]
-        rows = [(c, self.measured_by_category.get(c, 0), (self.estimated_by_category or {}).get(c)) for c in CATEGORIES]
-        rows.append(("total (peak)", self.measured_peak_bytes, self.estimated_peak_bytes))
-        for name, measured, estimated in rows:
-            line = f"{name:<18}{format_bytes(measured):>14}"
-            if with_estimate:
-                error = f"{(estimated - measured) / measured:+.1%}" if measured and estimated is not None else "-"
-                line += f"{format_bytes(estimated):>14}{error:>9}"
-            lines.append(line)
-        lines.extend(self._estimate_lines())
+        lines = self._category_lines() if self.tracked else [
+            "Memory tracking was off (logging.track_memory: false): no per-category measurement. "
+            "Turn it on to see where the memory goes, or run `memfit plan` for the estimate."]
         if self.measured_phase_peaks:
             lines.append("measured peak by phase (all tracked bytes live at the time): " + ", ".join(
                 f"{name} {format_bytes(n)}" for name, n in self.measured_phase_peaks.items()))
@@ -61,6 +53,20 @@ class MemoryReport:
                          f"{format_bytes(self.process_peak_rss_bytes)}")
         lines.extend(self.notes)
         return "\n".join(lines)
+
+    def _category_lines(self) -> list[str]:
+        with_estimate = self.estimated_by_category is not None
+        header = f"{'category':<18}{'measured':>14}" + (f"{'estimated':>14}{'error':>9}" if with_estimate else "")
+        lines = ["Peak memory by category (tensor storage bytes at the step's peak)", header, "-" * len(header)]
+        rows = [(c, self.measured_by_category.get(c, 0), (self.estimated_by_category or {}).get(c)) for c in CATEGORIES]
+        rows.append(("total (peak)", self.measured_peak_bytes, self.estimated_peak_bytes))
+        for name, measured, estimated in rows:
+            line = f"{name:<18}{format_bytes(measured):>14}"
+            if with_estimate:
+                error = f"{(estimated - measured) / measured:+.1%}" if measured and estimated is not None else "-"
+                line += f"{format_bytes(estimated):>14}{error:>9}"
+            lines.append(line)
+        return lines + self._estimate_lines()
 
     def _estimate_lines(self) -> list[str]:
         shape = self.estimated_shape

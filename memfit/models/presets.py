@@ -61,3 +61,13 @@ def load_preset_config(name: str) -> PretrainedConfig:
         raise KeyError(f"no preset named '{name}'; {hint}")
     cfg = {k: v for k, v in json.loads(path.read_text()).items() if k not in _IGNORED_KEYS}
     return AutoConfig.for_model(**cfg)
+
+
+def preset_hub_id(name: str) -> str | None:
+    """The hub id whose published weights a preset describes; None for memfit's own shapes
+    (`memfit/...`), which have no weights anywhere, and for names that are not presets."""
+    path = preset_path(name)
+    if path is None:
+        return None
+    hub_id = path.stem.replace("__", "/", 1)
+    return None if hub_id.startswith("memfit/") else hub_id

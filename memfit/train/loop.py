@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-import shutil
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,8 +12,8 @@ import torch
 from tqdm.auto import tqdm
 
 from memfit.build import build_run
-from memfit.checkpoint import CHECKPOINTS_DIR, discard_checkpoints, latest_step_name
-from memfit.config import RunConfig, move_flat_keys
+from memfit.checkpoint import CHECKPOINTS_DIR, latest_step_name
+from memfit.config import RunConfig
 from memfit.data.loader import build_batch_stream
 from memfit.distributed.checkpoint import unwrap
 from memfit.distributed.engine import Engine, make_engine
@@ -22,21 +22,19 @@ from memfit.memory.planner import resolve_budget
 from memfit.memory.report import MemoryReport
 from memfit.memory.timeline import write_timeline
 from memfit.memory.trace import trace_estimate
-from memfit.models.loading import load_tokenizer
+from memfit.models.loading import check_weights, load_model_config, load_tokenizer
+from memfit.models.validate import check_model, model_where
 from memfit.models.merge import save_adapter_outputs
 from memfit.step import step_strategies, training_step
 from memfit.train.evaluate import Evaluation
-from memfit.train.metrics import MetricsLog
+from memfit.train.metrics import MetricsLog, OutputWriteError
+from memfit.train.output_dir import check_output_dir, planned_disk_bytes, prepare_output_dir, record_outputs
 from memfit.train.oom import OomRecovery, make_tracker, resolve_micro_batch, split_batches
 from memfit.train.schedule import make_scheduler
 from memfit.train.signals import StopOnSignal, TrainingStopped
 from memfit.units import format_bytes
 
 log = logging.getLogger(__name__)
-RUN_MARKERS = ("run_config.yaml", "metrics.jsonl", CHECKPOINTS_DIR)  # what says a folder already holds a run
-# Settings a resumed run may change; any other difference means the checkpoint belongs to another run.
-RESUMABLE_CHANGES = ("resume", "overwrite", "max_steps", "checkpoints", "logging", "optim.max_nonfinite_steps",
-                     "output_dir", "device")  # config paths, or whole sections
 
 
 class NonFiniteError(MemfitError):
@@ -68,64 +66,15 @@ class RunResult:
     eval_losses: dict[int, float] = field(default_factory=dict)  # step -> eval loss, this run's evaluations
 
 
-def prepare_output_dir(cfg: RunConfig) -> Path:
-    """Refuse to mix two runs in one folder; resume reuses it, overwrite clears it."""
-    out = Path(cfg.output_dir)
-    if cfg.resume and cfg.overwrite:
-        raise MemfitError("resume=true continues the run in output_dir and overwrite=true replaces it; set only one")
-    holds_run = any((out / marker).exists() for marker in RUN_MARKERS)
-    if holds_run and not (cfg.overwrite or cfg.resume):
-        raise MemfitError(f"output_dir {out} already holds a run; choose another output_dir, "
-                          "set resume=true to continue it, or overwrite=true to replace it")
-    if holds_run and cfg.resume:
-        check_same_run(out, cfg)
-    out.mkdir(parents=True, exist_ok=True)
-    if not cfg.resume:
-        (out / "metrics.jsonl").unlink(missing_ok=True)
-        for folder in ("tensorboard", "best"):  # memfit's own outputs of the run this one replaces
-            shutil.rmtree(out / folder, ignore_errors=True)
-        discard_checkpoints(out)
-    if not (cfg.resume and (out / "run_config.yaml").exists()):  # a resumed run keeps its record as is
-        tmp = out / ".run_config.yaml.tmp"  # written aside and renamed: a kill never leaves half a config
-        tmp.write_text(cfg.to_yaml())
-        tmp.replace(out / "run_config.yaml")
-    return out
-
-
-def check_same_run(out: Path, cfg: RunConfig) -> None:
-    """resume=true: the saved run_config.yaml must describe the same run (up to RESUMABLE_CHANGES)."""
-    import yaml
-
-    path = out / "run_config.yaml"
-    if not path.exists():
-        return
-    try:
-        before = _flatten(move_flat_keys(yaml.safe_load(path.read_text()) or {}, str(path)))
-    except yaml.YAMLError:
-        raise MemfitError(f"resume=true: {path} is not valid YAML; it cannot tell which run this is") from None
-    now = _flatten(cfg.model_dump(mode="json"))
-    changed = [f"{key}: {before[key]!r} there, {now[key]!r} now" for key in sorted(set(before) & set(now))
-               if before[key] != now[key] and not resumable(key)]
-    if changed:
-        raise MemfitError(f"resume=true: {path} describes a different run ({'; '.join(changed)}); "
-                          "resume with the same settings, or use another output_dir")
-
-
-def resumable(path: str) -> bool:
-    return any(path == allowed or path.startswith(allowed + ".") for allowed in RESUMABLE_CHANGES)
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict:
-    flat = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            flat.update(_flatten(value, f"{prefix}{key}."))
-        else:
-            flat[f"{prefix}{key}"] = value
-    return flat
+def preflight(cfg: RunConfig) -> None:
+    """What can be known wrong before the planner, the data and the model take time and memory."""
+    check_model(cfg, load_model_config(cfg.model)[0], model_where(cfg.model), int(os.environ.get("WORLD_SIZE", 1)))
+    check_weights(cfg.model)
+    check_output_dir(cfg, planned_disk_bytes(cfg))
 
 
 def train(cfg: RunConfig, progress: bool = True) -> RunResult:
+    preflight(cfg)
     engine = make_engine(resolve_budget(cfg))  # budget: the planner's choice; under torchrun, joins the group
     cfg = engine.cfg = resolve_micro_batch(engine.cfg, engine.device)  # auto: the largest that fits
     device = engine.device
@@ -149,42 +98,68 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
     config = cfg.model_dump(mode="json")
     with tracker, StopOnSignal() as stop, MetricsLog(out, cfg.logging.report_to, config, engine.is_main) as metrics:
         tracker.tag_module(model)
-        for step in bar:
-            started, peak_before = time.perf_counter(), tracker.peak_bytes
-            tracker.mark_step()
-            micro_batches = next_micro_batches(stream, cfg.batch.grad_accum, device, tracker)
-            result = oom.run(lambda pieces: training_step(
-                model, optimizer, pieces, precision, tracker, run.params, cfg.optim.max_grad_norm,
-                target_count=engine.target_count, **strategies), micro_batches, optimizer)
-            if tracker.peak_bytes > peak_before:  # the same pieces oom.run just trained on
-                peak_shape = BatchShape.of(split_batches(micro_batches, oom.micro_batch))
-            result.loss = engine.reduce_loss(result.loss)  # what one process would report
-            lr = float(scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor (so compile does not retrace)
-            scheduler.step()
-            state.losses.append(result.loss)
-            nonfinite_in_row = nonfinite_in_row + 1 if result.nonfinite else 0
-            state.nonfinite_total += result.nonfinite
-            log_step(metrics, bar, cfg, step, result, lr, time.perf_counter() - started, stream.epoch, tracker,
-                     nonfinite_in_row, state.nonfinite_total)
-            if evaluation.due(step):
-                scores, keep = evaluation.run(step, model, strategies["loss_fn"], precision.autocast, tracker, device)
-                log_eval(metrics, bar if progress and engine.is_main else None, step, scores)
-                if keep:  # sharded: every rank takes part
-                    engine.save_final(model, tokenizer, out / "best")
-            check_finite(step, nonfinite_in_row, cfg, out)
-            # Checkpoint on schedule, at the end, or when asked to stop; never inside a non-finite streak.
-            if stop.requested or (not nonfinite_in_row and (step == cfg.max_steps or (
-                    cfg.checkpoints.every and step % cfg.checkpoints.every == 0))):
-                state.step, state.data = step, stream.state_dict()
-                saved = engine.save(out, state, model, optimizer, scheduler, precision.scaler)
-            if stop.requested and step < cfg.max_steps:
-                raise TrainingStopped(f"{stop.name} received; checkpoint of step {step} saved in {saved}; "
-                                      "continue with resume=true", stop.signum)
-    report = measured_report(tracker, device)
+        try:
+            for step in bar:
+                started, peak_before = time.perf_counter(), tracker.peak_bytes
+                tracker.mark_step()
+                micro_batches = next_micro_batches(stream, cfg.batch.grad_accum, device, tracker)
+                result = oom.run(lambda pieces: training_step(
+                    model, optimizer, pieces, precision, tracker, run.params, cfg.optim.max_grad_norm,
+                    target_count=engine.target_count, **strategies), micro_batches, optimizer)
+                if tracker.peak_bytes > peak_before:  # the same pieces oom.run just trained on
+                    peak_shape = BatchShape.of(split_batches(micro_batches, oom.micro_batch))
+                result.loss = engine.reduce_loss(result.loss)  # what one process would report
+                lr = float(scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor (so compile does not retrace)
+                scheduler.step()
+                state.losses.append(result.loss)
+                nonfinite_in_row = nonfinite_in_row + 1 if result.nonfinite else 0
+                state.nonfinite_total += result.nonfinite
+                log_step(metrics, bar, cfg, step, result, lr, time.perf_counter() - started, stream.epoch, tracker,
+                         nonfinite_in_row, state.nonfinite_total)
+                if evaluation.due(step):
+                    scores, keep = evaluation.run(step, model, strategies["loss_fn"], precision.autocast, tracker, device)
+                    log_eval(metrics, bar if progress and engine.is_main else None, step, scores)
+                    if keep:  # sharded: every rank takes part
+                        engine.save_final(model, tokenizer, out / "best")
+                check_finite(step, nonfinite_in_row, cfg, out)
+                # Checkpoint on schedule, at the end, or when asked to stop; never inside a non-finite streak.
+                if stop.requested or (not nonfinite_in_row and (step == cfg.max_steps or (
+                        cfg.checkpoints.every and step % cfg.checkpoints.every == 0))):
+                    state.step, state.data = step, stream.state_dict()
+                    saved = engine.save(out, state, model, optimizer, scheduler, precision.scaler)
+                    if engine.is_main:
+                        record_outputs(out)
+                if stop.requested and step < cfg.max_steps:
+                    raise TrainingStopped(f"{stop.name} received; checkpoint of step {step} saved in {saved}; "
+                                          "continue with resume=true", stop.signum)
+        except OutputWriteError as exc:  # metrics or a sink could not be written: keep the work so far
+            raise keep_work(exc, engine, out, state, step, stream, model, optimizer, scheduler, precision) from None
+    report = measured_report(tracker, device, tracked=cfg.logging.track_memory)
     if cfg.logging.track_memory and engine.traced:  # the plan beside the measurement (trace.py)
         add_estimate(report, cfg, device, peak_shape)
     finish(engine, model, tokenizer, out, report, tracker.timeline)
     return RunResult(out, state.losses, report, evaluation.losses)
+
+
+def keep_work(exc: OutputWriteError, engine: Engine, out: Path, state, step: int, stream, model, optimizer,
+              scheduler, precision) -> MemfitError:
+    """A write failed mid-run: save a checkpoint of the finished step if the disk still takes one
+    (one process; under torchrun the other ranks are not told), and say what was kept."""
+    root = out / CHECKPOINTS_DIR
+    kept = None
+    if not engine.ctx.enabled:
+        state.step, state.data = step, stream.state_dict()
+        try:
+            saved = engine.save(out, state, model, optimizer, scheduler, precision.scaler)
+            kept = f"checkpoint of step {step} saved in {saved}"
+        except (MemfitError, OSError) as save_exc:
+            log.warning("after the failed write, the checkpoint of step %d could not be saved either: %s", step,
+                        save_exc)
+    if kept is None:
+        last = latest_step_name(root)
+        kept = f"the last good checkpoint is {root / last}" if last else "no checkpoint exists yet"
+    return OutputWriteError(f"{exc}; training stopped at step {step}: {kept}. Free space or fix the output "
+                            "folder, then continue with resume=true")
 
 
 def next_micro_batches(stream, count: int, device: torch.device, tracker) -> list[dict]:
@@ -239,13 +214,15 @@ def finish(engine: Engine, model, tokenizer, out: Path, report: MemoryReport, ti
         (out / "memory_report.txt").write_text(report.to_text() + "\n")
         (out / "memory_report.json").write_text(report.to_json() + "\n")
         write_timeline(out, timeline, report)  # memory_timeline.json, and its picture when matplotlib is there
+        record_outputs(out)
     engine.teardown()
 
 
-def measured_report(tracker, device: torch.device) -> MemoryReport:
+def measured_report(tracker, device: torch.device, tracked: bool = True) -> MemoryReport:
     import resource
 
-    report = MemoryReport(measured_peak_bytes=tracker.peak_bytes, measured_by_category=tracker.peak_by_category(),
+    report = MemoryReport(tracked=tracked, measured_peak_bytes=tracker.peak_bytes,
+                          measured_by_category=tracker.peak_by_category(),
                           measured_phase_peaks=dict(tracker.phase_peaks))
     report.process_peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     if device.type == "cuda":

@@ -13,7 +13,7 @@ import json
 import os
 from pathlib import Path
 
-from memfit.errors import require
+from memfit.errors import MemfitError, require
 
 
 def default_sinks() -> list[str]:
@@ -103,6 +103,10 @@ def _flat(config: dict, prefix: str = "") -> dict:
 _MAKERS = {"tensorboard": _TensorBoard, "wandb": _Wandb, "mlflow": _MLflow}
 
 
+class OutputWriteError(MemfitError):
+    """A file of the run could not be written (disk full, file-size limit, permissions)."""
+
+
 class MetricsLog:
     """Append-only metrics of one run. A context manager: sinks are flushed and closed on exit."""
 
@@ -111,19 +115,29 @@ class MetricsLog:
         sinks = default_sinks() if sinks is None else sinks
         self.path = Path(out) / "metrics.jsonl"
         self.is_main = is_main
-        self.file = open(self.path if is_main else os.devnull, "a")
+        try:
+            self.file = open(self.path if is_main else os.devnull, "a")
+        except OSError as exc:
+            raise OutputWriteError(f"cannot open {self.path}: {exc.strerror or exc}") from None
         self.sinks = [_MAKERS[name](Path(out), config) for name in sinks] if is_main else []
 
     def write(self, record: dict, prefix: str = "train") -> None:
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        values = scalars(record, prefix)
-        for sink in self.sinks:
-            sink.log(values, int(record["step"]))
-            sink.flush()
+        try:
+            self.file.write(json.dumps(record) + "\n")
+            self.file.flush()
+            values = scalars(record, prefix)
+            for sink in self.sinks:
+                sink.log(values, int(record["step"]))
+                sink.flush()
+        except OSError as exc:  # disk full, file-size limit: the caller keeps the work and stops
+            raise OutputWriteError(f"writing the metrics of step {record['step']} to {self.path} failed: "
+                                   f"{exc.strerror or exc}") from None
 
     def close(self) -> None:
-        self.file.close()
+        try:
+            self.file.close()
+        except OSError:  # the write that failed already said why
+            pass
         for sink in self.sinks:
             sink.close()
 

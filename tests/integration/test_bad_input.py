@@ -27,7 +27,8 @@ DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 BEGIN, END = "<!-- bad-input-table:begin -->", "<!-- bad-input-table:end -->"
 UPDATE = os.environ.get("MEMFIT_UPDATE_DOCS") == "1"
 
-BASE = {"model": "memfit/tiny-llama", "data": {"path": "texts.jsonl", "format": "text", "seq_len": 32},
+BASE = {"model": {"name": "memfit/tiny-llama", "init": "random"},
+        "data": {"path": "texts.jsonl", "format": "text", "seq_len": 32},
         "precision": "fp32", "optim": {"name": "adamw", "warmup_steps": 0}, "batch": {"micro_batch": 2},
         "max_steps": 2, "checkpoints": {"every": 1}, "logging": {"every": 1, "track_memory": False}, "device": "cpu"}
 
@@ -40,6 +41,7 @@ class Case:
     setup: Callable[[Path], list[str]] | None = None  # prepares files in tmp; may return more overrides
     mentions: tuple[str, ...] = ()              # the "what and where" the message must contain
     new_files_ok: bool = False                  # the run may add files (it failed while saving)
+    env: dict[str, str] = field(default_factory=dict)  # environment variables set for the case
 
 
 # ---------------------------------------------------------------- setups
@@ -50,21 +52,21 @@ def _model_dir(tmp: Path, name: str, config: dict | None = None, raw: str | None
     folder.mkdir()
     if raw is not None or config is not None:
         (folder / "config.json").write_text(raw if raw is not None else json.dumps(config))
-    return [f"model={folder}"]
+    return [f"model={folder}", "model.init=pretrained"]
 
 
 def _bert(tmp: Path) -> list[str]:
     from transformers import BertConfig
 
     BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64).save_pretrained(tmp / "bert")
-    return [f"model={tmp / 'bert'}"]
+    return [f"model={tmp / 'bert'}", "model.init=pretrained"]
 
 
 def _distilbert(tmp: Path) -> list[str]:
     from transformers import DistilBertConfig
 
     DistilBertConfig(dim=32, n_layers=1, n_heads=2, hidden_dim=64).save_pretrained(tmp / "distilbert")
-    return [f"model={tmp / 'distilbert'}"]
+    return [f"model={tmp / 'distilbert'}", "model.init=pretrained"]
 
 
 def _pickled_weights(tmp: Path) -> list[str]:
@@ -74,7 +76,36 @@ def _pickled_weights(tmp: Path) -> list[str]:
     LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=2).save_pretrained(folder)
     torch.save({"model.embed_tokens.weight": torch.zeros(1), "payload": Path}, folder / "pytorch_model.bin")
-    return [f"model={folder}"]
+    return [f"model={folder}", "model.init=pretrained"]
+
+
+TINY_LLAMA = {"model_type": "llama", "vocab_size": 259, "hidden_size": 32, "intermediate_size": 64,
+              "num_hidden_layers": 1, "num_attention_heads": 2, "max_position_embeddings": 256}
+
+
+def _saved_model(tmp: Path) -> Path:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    folder = tmp / "mymodel"
+    LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"})).save_pretrained(folder)
+    return folder
+
+
+def _output_is_model(tmp: Path) -> list[str]:
+    folder = _saved_model(tmp)
+    return [f"model={folder}", "model.init=pretrained", f"output_dir={folder}"]
+
+
+def _file(path: Path, *overrides: str) -> list[str]:
+    path.write_text("a file")
+    return list(overrides)
+
+
+def _foreign_folder(tmp: Path, name: str) -> list[str]:
+    (tmp / "run" / "checkpoints").mkdir(parents=True)
+    (tmp / "run" / "checkpoints" / "epoch10.pt").write_bytes(b"someone's weights")
+    (tmp / "run" / name).write_text("the user's own file")
+    return []
 
 
 def _data(tmp: Path, text: str, fmt: str = "text") -> list[str]:
@@ -159,6 +190,41 @@ CASES = [
          mentions=("step-00000001", "damaged")),
     Case("disk-full", "disk full while writing the checkpoint of step 2 (simulated ENOSPC)",
          mentions=("step-00000002", "No space left on device", "step-00000001 is intact"), new_files_ok=True),
+    Case("metrics-write-fails", "disk full while writing metrics.jsonl at step 2 (simulated ENOSPC)",
+         mentions=("metrics.jsonl", "No space left on device", "checkpoint of step 2 saved", "resume=true"),
+         new_files_ok=True),
+    Case("preset-without-weights", "one of memfit's own presets with `model.init=pretrained`",
+         ["model.init=pretrained"], mentions=("memfit/tiny-llama", "no pretrained weights", "model.init=random")),
+    Case("model-config-only", "model folder with a config.json and no weights",
+         setup=lambda t: _model_dir(t, "shape", TINY_LLAMA), mentions=("shape", "no weights", "model.init=random")),
+    Case("hub-offline", "a hub model (`model=gpt2`) with HF_HUB_OFFLINE=1 and an empty cache",
+         ["model=gpt2", "model.init=pretrained"], env={"HF_HUB_OFFLINE": "1"},
+         mentions=("gpt2", "HF_HUB_OFFLINE is set", "huggingface-cli download openai-community/gpt2")),
+    Case("model-negative-size", "model config.json with a negative hidden_size",
+         setup=lambda t: _model_dir(t, "negative", {**TINY_LLAMA, "hidden_size": -32}),
+         mentions=("negative", "hidden_size must be a positive integer")),
+    Case("seq-len-over-positions", "data.seq_len above the model's max_position_embeddings",
+         setup=lambda t: _model_dir(t, "short", TINY_LLAMA) + ["model.init=random", "data.seq_len=512"],
+         mentions=("data.seq_len", "512", "max_position_embeddings", "256")),
+    Case("tensor-parallel-one-gpu", "`distributed.tensor_parallel=2` in a single process",
+         ["distributed.tensor_parallel=2"], mentions=("tensor_parallel", "needs 2 GPUs")),
+    Case("output-is-file", "output_dir that is an existing file",
+         setup=lambda t: _file(t / "run"), mentions=("run", "existing file")),
+    Case("output-under-file", "output_dir under a file",
+         setup=lambda t: _file(t / "afile", f"output_dir={t / 'afile' / 'run'}"),
+         mentions=("afile", "is a file")),
+    Case("output-is-model", "output_dir set to the input model's folder", setup=_output_is_model,
+         mentions=("mymodel", "is the model.name", "write over its own input")),
+    Case("output-foreign", "output_dir holding files memfit did not write",
+         setup=lambda t: _foreign_folder(t, "notes.txt"),
+         mentions=("not a memfit run", "notes.txt", "overwrite=true")),
+    Case("overwrite-foreign-clash", "`overwrite=true` on a folder holding the user's own config.json",
+         ["overwrite=true"], setup=lambda t: _foreign_folder(t, "config.json"),
+         mentions=("config.json", "would write over")),
+    Case("record-oversize", "a 4 KiB data line with `data.max_record_bytes=1024`",
+         ["data.max_record_bytes=1024"],
+         setup=lambda t: _data(t, '{"text": "ok"}\n' + json.dumps({"text": "x" * 4096}) + "\n"),
+         mentions=("bad.jsonl:2", "max_record_bytes")),
 ]
 
 
@@ -182,6 +248,35 @@ def _fill_disk_on_step_2(monkeypatch) -> None:
     monkeypatch.setattr(checkpoint, "_write_bytes", write)
 
 
+def _fail_metrics_on_step_2(monkeypatch) -> None:
+    from memfit.train.metrics import MetricsLog
+
+    real = MetricsLog.write
+
+    def write(self, record: dict, prefix: str = "train") -> None:
+        if record.get("step") == 2 and prefix == "train":
+            raise_enospc = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self.file = _Failing(raise_enospc)
+        real(self, record, prefix)
+
+    monkeypatch.setattr(MetricsLog, "write", write)
+
+
+class _Failing:
+    """A file whose writes fail with `error`, as a full disk's do."""
+
+    def __init__(self, error: OSError):
+        self.error = error
+
+    def write(self, *args):
+        raise self.error
+
+    flush = write
+
+    def close(self):
+        pass
+
+
 def run_case(case: Case, tmp: Path, capsys, monkeypatch) -> tuple[int, str]:
     (tmp / "texts.jsonl").write_text("".join(json.dumps({"text": f"record {i} of the test data"}) + "\n"
                                              for i in range(8)))
@@ -189,6 +284,12 @@ def run_case(case: Case, tmp: Path, capsys, monkeypatch) -> tuple[int, str]:
     overrides = [*(case.setup(tmp) if case.setup else []), *case.overrides]
     if case.id == "disk-full":
         _fill_disk_on_step_2(monkeypatch)
+    if case.id == "metrics-write-fails":
+        _fail_metrics_on_step_2(monkeypatch)
+    for name, value in case.env.items():
+        monkeypatch.setenv(name, value)
+    if case.env:
+        monkeypatch.setenv("HF_HUB_CACHE", str(tmp / "empty-hf-cache"))
     before = _snapshot(tmp)
     capsys.readouterr()
     status = main(["train", str(tmp / "config.yaml"), f"output_dir={tmp / 'run'}", *overrides, "--no-progress"])

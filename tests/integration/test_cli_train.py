@@ -19,7 +19,7 @@ from memfit.memory.tracker import CATEGORIES
 def saved_model(tmp_path):
     """A tiny Llama saved with save_pretrained, as a user's local model folder would be."""
     torch.manual_seed(0)
-    model = build_model(ModelConfig(name="memfit/tiny-llama"))
+    model = build_model(ModelConfig(name="memfit/tiny-llama", init="random"))
     folder = tmp_path / "my-model"
     model.save_pretrained(folder)
     byte_tokenizer().save_pretrained(folder)

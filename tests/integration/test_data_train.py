@@ -10,7 +10,7 @@ from memfit.cli import main
 
 
 def write_config(tmp_path, **data):
-    config = {"model": "memfit/tiny-llama", "data": {"format": "alpaca", **data}, "seq_len": 128, "micro_batch": 4,
+    config = {"model": {"name": "memfit/tiny-llama", "init": "random"}, "data": {"format": "alpaca", **data}, "seq_len": 128, "micro_batch": 4,
               "lr": 3.0e-3, "warmup_steps": 2, "max_steps": 10, "log_every": 3, "save_every": 0,
               "output_dir": str(tmp_path / "run"), "track_memory": False}
     path = tmp_path / "run.yaml"

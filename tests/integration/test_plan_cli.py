@@ -74,7 +74,7 @@ def test_train_with_a_budget_lets_the_planner_choose(tmp_path):
     from memfit.models.presets import load_preset_config
 
     overrides = [f"output_dir={tmp_path / 'run'}", "max_steps=1", "data.limit=16", "device=cpu",
-                 "batch.micro_batch=8", "data.seq_len=512", "budget=40MiB"]
+                 "batch.micro_batch=8", "data.seq_len=512", "budget=40MiB", "model.init=random"]
     cfg = load_config(None, overrides)
     config = load_preset_config("memfit/tiny-llama")
     assert device_total_bytes(analytic_estimate(cfg, config, "cpu")) > 40 * 2**20  # as configured: too big

@@ -56,7 +56,7 @@ def wide_activation_model(tmp_path_factory):
 
 
 def _config(words: list[str], model: str, seq_len: int):
-    return load_config(None, words + [f"model={model}", f"data.seq_len={seq_len}", f"batch.micro_batch={MICRO_BATCH}",
+    return load_config(None, words + [f"model={model}", "model.init=random", f"data.seq_len={seq_len}", f"batch.micro_batch={MICRO_BATCH}",
                                       "device=cpu", "optim.max_grad_norm=1.0"])
 
 

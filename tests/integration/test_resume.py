@@ -40,7 +40,7 @@ def write_texts(path: Path, n: int = 24, seed: int = 3) -> Path:
 
 
 def run_settings(tmp_path: Path, **extra) -> dict:
-    settings = {"model": "memfit/tiny-llama", "data": {"path": str(write_texts(tmp_path / "texts.jsonl")),
+    settings = {"model": {"name": "memfit/tiny-llama", "init": "random"}, "data": {"path": str(write_texts(tmp_path / "texts.jsonl")),
                                                        "format": "text"},
                 "precision": "fp32", "optimizer": "adamw", "micro_batch": 4, "seq_len": 48, "lr": 3e-3,
                 "warmup_steps": 2, "max_steps": 12, "save_every": 2, "keep_checkpoints": 2, "log_every": 1,

@@ -11,7 +11,7 @@ from memfit.strategies.attention import attention_implementation
 
 def _loss_and_grad(attention: str):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(name="memfit/tiny-llama"), attention=attention)
+    model = build_model(ModelConfig(name="memfit/tiny-llama", init="random"), attention=attention)
     assert model.config._attn_implementation == attention_implementation(attention)
     ids = torch.randint(0, 256, (2, 40), generator=torch.Generator().manual_seed(1))
     mask = torch.ones_like(ids)

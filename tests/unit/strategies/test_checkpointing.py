@@ -17,7 +17,7 @@ def _batch(seed=0, batch=4, seq=48):
 
 def _model(every: int):
     torch.manual_seed(0)
-    model = apply_checkpointing(build_model(ModelConfig(name="memfit/tiny-llama")), every)
+    model = apply_checkpointing(build_model(ModelConfig(name="memfit/tiny-llama", init="random")), every)
     model.train()
     return model
 

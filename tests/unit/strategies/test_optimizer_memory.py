@@ -11,7 +11,7 @@ from memfit.strategies.optimizers import build_optimizer
 
 def _optimizer_state_bytes(name: str, backend: str = "auto") -> int:
     torch.manual_seed(0)
-    model = build_model(ModelConfig(name="memfit/tiny-llama"))
+    model = build_model(ModelConfig(name="memfit/tiny-llama", init="random"))
     ids = torch.randint(0, 256, (2, 32))
     optimizer = build_optimizer(name, model.parameters(), lr=1e-3, backend=backend)
     model(input_ids=ids, labels=ids).loss.backward()
@@ -22,7 +22,7 @@ def _optimizer_state_bytes(name: str, backend: str = "auto") -> int:
 
 
 def test_adamw_state_is_two_fp32_copies_of_the_weights():
-    model = build_model(ModelConfig(name="memfit/tiny-llama"))
+    model = build_model(ModelConfig(name="memfit/tiny-llama", init="random"))
     weight_bytes = sum(p.numel() * 4 for p in model.parameters())
     state = _optimizer_state_bytes("adamw")
     # exp_avg + exp_avg_sq (+ a scalar step per parameter)

@@ -41,7 +41,7 @@ def _reference(model, batches) -> float:
 @pytest.mark.parametrize("chunked", [False, True])
 def test_loss_is_the_token_weighted_mean_and_leaves_no_gradients(chunked):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(name="memfit/tiny-llama"), "sdpa", dtype=torch.float32).train()
+    model = build_model(ModelConfig(name="memfit/tiny-llama", init="random"), "sdpa", dtype=torch.float32).train()
     batches = _batches()
     tracker = MemoryTracker()
     with tracker:
@@ -56,7 +56,7 @@ def test_loss_is_the_token_weighted_mean_and_leaves_no_gradients(chunked):
 
 
 def test_batches_without_targets_give_no_number():
-    model = build_model(ModelConfig(name="memfit/tiny-llama"), "sdpa", dtype=torch.float32)
+    model = build_model(ModelConfig(name="memfit/tiny-llama", init="random"), "sdpa", dtype=torch.float32)
     ids = torch.zeros(1, 8, dtype=torch.long)
     empty = [{"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": torch.full_like(ids, -100)}]
     result = evaluate(model, empty, loss_function(False), nullcontext, MemoryTracker(), torch.device("cpu"))

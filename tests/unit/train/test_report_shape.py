@@ -36,3 +36,12 @@ def test_demo_report_estimates_the_measured_batch_shape(tiny_config):
     text = report.to_text()
     assert f"micro_batch {cfg.batch.micro_batch} x {shape['seq_len']} tokens" in text
     assert f"worst case at seq_len {cfg.data.seq_len}: " in text
+
+
+def test_a_run_without_tracking_says_so_instead_of_a_table_of_zeros(tiny_config):
+    cfg = tiny_config(max_steps=1, **{"logging.track_memory": "false", "data.limit": 16})
+    result = train(cfg, progress=False)
+    text = (result.output_dir / "memory_report.txt").read_text()
+    assert "Memory tracking was off (logging.track_memory: false)" in text
+    assert "Peak memory by category" not in text and "0 B" not in text
+    assert "process peak RSS" in text  # what is still measured is still shown

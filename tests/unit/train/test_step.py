@@ -22,7 +22,7 @@ def _batches(split: int):
 
 def _grads_after_step(split: int):
     torch.manual_seed(0)
-    model = build_model(ModelConfig(name="memfit/tiny-llama"))
+    model = build_model(ModelConfig(name="memfit/tiny-llama", init="random"))
     params = list(model.parameters())
     grads = {}
 
@@ -47,7 +47,7 @@ def test_clipping_reuses_the_checked_norm(monkeypatch):
     """The NaN check's global gradient norm is the one clipping uses: one pass over the gradients,
     and the update sees gradients scaled to max_grad_norm."""
     torch.manual_seed(0)
-    model = build_model(ModelConfig(name="memfit/tiny-llama"))
+    model = build_model(ModelConfig(name="memfit/tiny-llama", init="random"))
     params = list(model.parameters())
     seen = {}
 

@@ -1,0 +1,86 @@
+"""Checks of a run against its model's config.json, shared by `memfit plan` and `memfit train`.
+
+RunConfig validates what a config says on its own; these need the model: its sizes must be
+positive, the sequence must fit its position table, and tensor/pipeline parallel degrees must
+divide its heads, MLP width and layers. Every problem is listed at once.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from memfit.errors import MemfitError
+
+log = logging.getLogger(__name__)
+
+# Sizes every decoder config has under one of these names; each must be a positive integer.
+SIZES = (("hidden_size", "n_embd"), ("num_hidden_layers", "n_layer"), ("num_attention_heads", "n_head"),
+         ("vocab_size",), ("intermediate_size", "n_inner"), ("num_key_value_heads",))
+POSITIONS = ("max_position_embeddings", "n_positions")
+
+
+class ModelConfigError(MemfitError):
+    """The run does not fit the model's config.json (or that config is not a usable model)."""
+
+
+def _first(config, names: tuple[str, ...]):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return name, value
+    return names[0], None
+
+
+def model_problems(cfg, model_config, gpus: int = 1) -> list[str]:
+    """Everything wrong with running `cfg` on `model_config` (world size `gpus` for tp/pp)."""
+    problems = []
+    for names in SIZES:
+        name, value = _first(model_config, names)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            problems.append(f"{name} must be a positive integer (got {value!r})")
+    if problems:  # nothing below means anything for a config with impossible sizes
+        return problems
+    problems += _position_problems(cfg, model_config)
+    tp, pp = cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel
+    for degree, flag in ((tp, "tensor_parallel"), (pp, "pipeline_parallel")):
+        if degree > 1 and gpus != degree:
+            problems.append(f"distributed.{flag}: {degree} needs {degree} GPUs (got {gpus})")
+    if tp > 1:
+        for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+            value = getattr(model_config, name, None)
+            if value is not None and value % tp:
+                problems.append(f"distributed.tensor_parallel: {tp} must divide the model's {name} ({value})")
+    layers = _first(model_config, SIZES[1])[1]
+    if pp > 1 and layers is not None and layers < pp:
+        problems.append(f"distributed.pipeline_parallel: {pp} needs at least {pp} layers; the model has {layers}")
+    return problems
+
+
+def _position_problems(cfg, model_config) -> list[str]:
+    name, limit = _first(model_config, POSITIONS)
+    seq_len = cfg.data.seq_len
+    if not isinstance(limit, int) or seq_len <= limit:
+        return []
+    scaling = getattr(model_config, "rope_scaling", None) or {}
+    if scaling.get("rope_type", scaling.get("type", "default")) != "default":  # positions extended on purpose
+        log.warning("data.seq_len %d is beyond the model's %s (%d); its rope_scaling (%s) is expected to cover it",
+                    seq_len, name, limit, model_config.rope_scaling)
+        return []
+    return [f"data.seq_len: {seq_len} is beyond the model's {name} ({limit}); lower it, or extend the positions "
+            "with rope_scaling in the model's config.json"]
+
+
+def check_model(cfg, model_config, where: str, gpus: int = 1) -> None:
+    """Raise one ModelConfigError listing every problem; `where` names the model (its config.json)."""
+    problems = model_problems(cfg, model_config, gpus)
+    if problems:
+        lines = "\n".join(f"  - {p}" for p in problems)
+        raise ModelConfigError(f"model.name: {where}: {len(problems)} problem(s) with this model:\n{lines}")
+
+
+def model_where(spec) -> str:
+    """How a message names the model's config: its config.json path, or the preset / hub id."""
+    from pathlib import Path
+
+    path = Path(spec.name).expanduser()
+    return str(path / "config.json") if path.is_dir() else f"'{spec.name}'"
