@@ -1,4 +1,5 @@
-"""Build one run's pieces from a RunConfig: precision, model, checkpointing, method, optimizer.
+"""Build one run's pieces from a RunConfig: precision, model, checkpointing, method, model-changing
+strategies, optimizer.
 
 The trainer, the planner's tracer, the GPU validation script and the tests all call `build_run`,
 so the model the estimate traces is built by the very code that builds the model that trains.
@@ -23,6 +24,7 @@ from memfit.strategies.checkpointing import apply_checkpointing
 from memfit.strategies.optimizers import build_optimizer
 from memfit.strategies.precision import PrecisionPlan, make_precision
 from memfit.strategies.quantization import quantized_loading
+from memfit.strategies.table import STEP_STRATEGIES
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 Wrap = Callable[[nn.Module, OptimizerFactory], tuple[nn.Module, torch.optim.Optimizer]]
@@ -61,6 +63,9 @@ def build_run(cfg: RunConfig, device: torch.device, on_meta: bool = False, wrap:
                         load_kwargs=load_kwargs)
     model.config.use_cache = False  # no KV cache in training; a cache also turns off packed masks (data/packing.py)
     model = apply_method(apply_checkpointing(model, cfg.memory.activation_checkpoint_every), cfg, place_on)
+    for strategy in STEP_STRATEGIES:  # strategies that change the model (memfit/strategies/table.py)
+        if strategy.model_hook is not None and getattr(cfg.memory, strategy.name):
+            model = strategy.model_hook(model, cfg)
     model, optimizer = wrap(model, lambda params: build_optimizer(
         cfg.optim.name, params, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.backend, device))
     model.train()

@@ -200,8 +200,11 @@ class _MemoryConfig(_Section):
         return 1 if self.checkpointing == "full" else int(self.checkpointing.split("-")[1])
 
 
+# Each step strategy's switch, and the settings it brings (memfit/strategies/table.py).
 MemoryConfig = create_model("MemoryConfig", __base__=_MemoryConfig, **{
-    strategy.name: (bool, Field(False, description=strategy.description)) for strategy in STEP_STRATEGIES})
+    strategy.name: (bool, Field(False, description=strategy.description)) for strategy in STEP_STRATEGIES}, **{
+    name: (kind, Field(**settings)) for strategy in STEP_STRATEGIES
+    for name, (kind, settings) in strategy.options.items()})
 
 
 class OptimConfig(_Section):

@@ -19,7 +19,7 @@ from memfit.memory.estimate import Estimate
 from memfit.memory.gpus import DEFAULT_GPU, GPU, GPUS, find_gpu
 from memfit.memory.model_shape import model_shape, trainable_params
 from memfit.memory.search import SEARCHED, Candidate, SearchResult, config_summary, search
-from memfit.memory.single_device import _trainable_size
+from memfit.memory.single_device import _trainable_size, strategy_host_bytes
 from memfit.memory.trace import trace_estimate
 from memfit.models.loading import load_model_config, missing_weights
 from memfit.models.validate import check_model, model_where
@@ -53,7 +53,8 @@ class Plan:
                        families=[f.to_dict() for f in found.families], pareto=[c.to_dict() for c in found.pareto],
                        chosen=found.chosen.to_dict() if found.chosen else None,
                        recommendation=found.chosen.cfg.model_dump(mode="json") if found.chosen else None,
-                       max_micro_batch=found.max_micro_batch, max_seq_len=found.max_seq_len)
+                       max_micro_batch=found.max_micro_batch, max_seq_len=found.max_seq_len,
+                       seq_len_ladder=[r.to_dict() for r in found.seq_len_ladder])
         return out
 
 
@@ -160,6 +161,24 @@ def machine_ram_bytes() -> int:
         import os
 
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def check_host_ram(cfg: RunConfig, device: str, host_ram: int | None = None) -> None:
+    """Stop a CUDA run whose step strategies park more in host RAM (activation_offload's pinned saved
+    tensors) than the machine has, before any model or data is loaded; a no-op when none is on."""
+    if device != "cuda" or not any(s.host_bytes and getattr(cfg.memory, s.name) for s in STEP_STRATEGIES):
+        return
+    model_config = _model_config(cfg)
+    parked = strategy_host_bytes(model_shape(model_config), cfg, device)
+    needed = analytic_estimate(cfg, model_config, device=device).cpu_ram_bytes
+    host_ram = machine_ram_bytes() if host_ram is None else host_ram
+    if needed > host_ram:
+        what = ", ".join(f"memory.{name} {format_bytes(value)}" for name, value in parked.items())
+        raise MemfitError(
+            f"host RAM: this run needs {format_bytes(needed)} of host RAM ({what} of it pinned, at data.seq_len "
+            f"{cfg.data.seq_len} x batch.micro_batch {cfg.batch.micro_batch}); this machine has "
+            f"{format_bytes(host_ram)}. Use a shorter data.seq_len, memory.checkpointing=full (only each "
+            "layer's input is kept), or `memfit plan ... --host-ram SIZE` for a plan that fits")
 
 
 def resolve_budget(cfg: RunConfig) -> RunConfig:
@@ -283,6 +302,7 @@ def search_lines(result: Plan) -> list[str]:
                   f"gives up: {'; '.join(chosen.gives_up) or 'nothing'}"]
         if found.max_seq_len is not None:
             lines.append(f"  longest seq_len that fits this plan at micro_batch 1: {found.max_seq_len or 'none'}")
+            lines += _ladder_lines(found.seq_len_ladder)
         if found.max_micro_batch is not None:
             lines.append(f"  largest micro_batch that fits this plan at seq_len {chosen.cfg.data.seq_len}: "
                          f"{found.max_micro_batch or 'none'}")
@@ -301,12 +321,32 @@ def search_lines(result: Plan) -> list[str]:
         lines.append(f"  [{mark}] {family.name}: {family.reason}")
         limits = []
         if family.max_seq_len is not None:
-            limits.append(f"longest seq_len at micro_batch 1: {family.max_seq_len or 'none'}")
+            limits.append(f"longest seq_len at micro_batch 1: {family.max_seq_len or 'none'}" + (
+                f" (GPU {family.longest.device_bytes / 2**30:.2f} GiB, host RAM "
+                f"{family.longest.estimate.cpu_ram_bytes / 2**30:.1f} GiB) with {_settings(family.longest.cfg)}"
+                if family.longest else ""))
         if family.max_micro_batch is not None:
             limits.append(f"largest micro_batch at seq_len {result.cfg.data.seq_len}: "
                           f"{family.max_micro_batch or 'none'}")
         if limits:
-            lines.append("         " + "; ".join(limits) + " (leanest settings)")
+            lines.append("         " + "; ".join(limits) + " (the family's leanest settings)")
+    return lines
+
+
+def _ladder_lines(ladder) -> list[str]:
+    """What each memory saver buys: the longest seq_len as they are switched on one after another."""
+    if not ladder:
+        return []
+    lines = ["  what each memory saver buys (this plan at micro_batch 1, savers added one after another):",
+             f"    {'memory savers':<26} {'longest seq_len':>15} {'GPU there':>10} {'host RAM there':>15} "
+             f"{'step there':>11}"]
+    for rung in ladder:
+        best = rung.best
+        length = f"{rung.max_seq_len:,}" if rung.max_seq_len else "none"
+        gpu = f"{best.device_bytes / 2**30:.2f} GiB" if best else "-"
+        host = f"{best.estimate.cpu_ram_bytes / 2**30:.1f} GiB" if best else "-"
+        step = f"{best.step_seconds:.1f} s" if best else "-"
+        lines.append(f"    {rung.added:<26} {length:>15} {gpu:>10} {host:>15} {step:>11}")
     return lines
 
 

@@ -84,12 +84,15 @@ class FamilyResult:
     best: Candidate | None = None      # the fastest fit, else the leanest member (how close it came)
     max_micro_batch: int | None = None  # at the requested seq_len (with --max-micro-batch)
     max_seq_len: int | None = None      # at micro_batch 1 (with --max-seq-len)
+    longest: Candidate | None = None    # the leanest settings at max_seq_len
 
     def to_dict(self) -> dict:
         out = {"family": self.name, "fits": self.fits, "reason": self.reason,
                "max_micro_batch": self.max_micro_batch, "max_seq_len": self.max_seq_len}
         if self.best is not None:
             out["best"] = self.best.to_dict()
+        if self.longest is not None:
+            out["longest"] = self.longest.to_dict()
         return out
 
 
@@ -105,6 +108,23 @@ class SearchResult:
     host_ram: int | None = None        # the host RAM limit plans were held to
     max_micro_batch: int | None = None  # of the chosen plan
     max_seq_len: int | None = None
+    seq_len_ladder: list["Rung"] = field(default_factory=list)  # with --max-seq-len: what each saver buys
+
+
+@dataclass
+class Rung:
+    """The chosen plan at micro_batch 1 with the memory savers up to `added` on: its longest seq_len,
+    and the GPU and host memory and the step time it needs there."""
+    added: str
+    max_seq_len: int
+    best: Candidate | None = None      # at max_seq_len (None when nothing fits)
+
+    def to_dict(self) -> dict:
+        out = {"added": self.added, "max_seq_len": self.max_seq_len}
+        if self.best is not None:
+            out.update(device_bytes=self.best.device_bytes, cpu_ram_bytes=self.best.estimate.cpu_ram_bytes,
+                       step_seconds=round(self.best.step_seconds, 3))
+        return out
 
 
 def config_summary(cfg: RunConfig) -> dict:
@@ -311,10 +331,14 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
             results.append(FamilyResult(name, False, f"not runnable: {built[0][0]}"))
             continue
         leanest = min(lean, key=lambda c: (not scorer.fits(c), c.device_bytes))
+        if max_seq_len:  # also for a family that misses at the requested length: how long it can go
+            # the longest of the lean variants: with little host RAM, offloading may shorten it
+            longest = max((_longest(c.cfg, scorer, name, seq_limit) for c in lean), key=lambda found: found[0])
         if leanest.device_bytes <= scorer.limit and not scorer.fits(leanest):
             results.append(FamilyResult(name, False, "its leanest plan needs "
                                                      f"{format_bytes(leanest.estimate.cpu_ram_bytes)}"
                                                      f" of host RAM; --host-ram is {format_bytes(host_ram)}", leanest))
+            results[-1].max_seq_len, results[-1].longest = longest if max_seq_len else (None, None)
             continue
         if not scorer.fits(leanest):
             top = max(leanest.estimate.by_category.items(), key=lambda kv: kv[1])
@@ -322,6 +346,7 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
                 name, False, f"needs at least {format_bytes(leanest.device_bytes)} (largest: "
                 f"{top[0].replace('_', ' ')} {format_bytes(top[1])}) + margin {format_bytes(margin)}: misses the "
                 f"budget by {format_bytes(leanest.device_bytes + margin - budget)}", leanest))
+            results[-1].max_seq_len, results[-1].longest = longest if max_seq_len else (None, None)
             continue
         members = [scorer.timed(c) for update in _members(base, family, fixed, sequences, device)
                    if isinstance(cfg := _build(base, update, model_config, gpus), RunConfig)
@@ -338,7 +363,7 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
             results[-1].max_micro_batch = _limit_of(_lean_like(best.cfg, leanest.cfg), scorer, name, "batch.micro_batch",
                                                     4096)
         if max_seq_len:
-            results[-1].max_seq_len = _limit_of(leanest.cfg, scorer, name, "data.seq_len", seq_limit)
+            results[-1].max_seq_len, results[-1].longest = longest
     chosen = _prefer_fidelity(fitting) if fitting else None
     result = SearchResult(budget, margin, gpu, results, pareto(fitting, chosen), chosen, scorer.count, host_ram)
     if chosen is not None:
@@ -347,8 +372,41 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
         if max_seq_len:
             one = chosen.cfg.updated({"batch.micro_batch": 1, "batch.grad_accum": 1})
             result.max_seq_len = _limit_of(one, scorer, chosen.family, "data.seq_len", seq_limit)
+            result.seq_len_ladder = seq_len_ladder(one, scorer, chosen.family, seq_limit, fixed, model_config, gpus,
+                                                   device)
         result.evaluated = scorer.count
     return result
+
+
+def _longest(cfg: RunConfig, scorer: _Scorer, family: str, high: int) -> tuple[int, Candidate | None]:
+    """The longest data.seq_len of `cfg` that fits, and the plan there (None when no length fits)."""
+    longest = _limit_of(cfg, scorer, family, "data.seq_len", high)
+    return longest, scorer.memory(cfg.updated({"data.seq_len": longest}), family) if longest else None
+
+
+def seq_len_ladder(start: RunConfig, scorer: _Scorer, family: str, high: int, fixed: dict, model_config, gpus: int,
+                   device: str) -> list[Rung]:
+    """What each memory saver buys in context length: `start` (micro_batch 1) with checkpointing and
+    every step strategy off, then the savers switched on one after another: checkpointing, then the
+    step strategies in the strategy table's order. Savers the user fixed stay as given."""
+    savers = {} if "memory.checkpointing" in fixed else {"checkpointing full": {"memory.checkpointing": "full"}}
+    savers |= {strategy.name.replace("_", " "): {strategy.path: True} for strategy in STEP_STRATEGIES
+               if strategy.path not in fixed and True in _tried(strategy, strategy.lean, device)}
+    off = {"memory.checkpointing": "none"} | {strategy.path: False for strategy in STEP_STRATEGIES}
+    current = {path: value for path, value in off.items() if path not in fixed}
+
+    def rung(added: str, update: dict) -> Rung | None:
+        cfg = _build(start, _with_forced(dict(update), start, fixed), model_config, gpus)
+        if not isinstance(cfg, RunConfig):
+            return None
+        longest, best = _longest(cfg, scorer, family, high)
+        return Rung(added, longest, scorer.timed(best) if best else None)
+
+    ladder = [rung("none of them", current)]
+    for name, update in savers.items():
+        current |= update
+        ladder.append(rung(f"+ {name}", current))
+    return [r for r in ladder if r is not None]
 
 
 def _lean_like(best: RunConfig, lean: RunConfig) -> RunConfig:

@@ -124,25 +124,35 @@ def _layer_activation_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> floa
     total += shape.norms_per_layer * norm_inner
     # linear inputs: the attention-block input (q, k, v) and the MLP input (gate, up / fc1)
     attn_in = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
-    mlp_in = ("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "dense_h_to_4h", "w1", "w3")
     leaves = linear_leaf_names(shape)
     n_attn = trains(*[n for n in attn_in if n in leaves])
-    n_mlp = trains(*[n for n in mlp_in if n in leaves])
-    if mixed:
-        total += (n_attn + n_mlp) * c * h
-    else:
-        total += ((n_attn > 0) + (n_mlp > 0)) * p * h
+    total += n_attn * c * h if mixed else (n_attn > 0) * p * h
     # attention: q (after RoPE), k, v, the output (also the o_proj input), log-sum-exp (fp32 per head)
     total += c * (2 * q + 2 * kv) + 4 * shape.heads
-    # MLP: gated = up, gate, act(gate) and their product (the down_proj input, kept only if it trains)
-    down = trains("down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2")
-    if shape.family == "llama":
-        total += c * i * (3 + (1 if down else 0))
-    else:  # fc1 output (kept by the activation) + activation output (the fc2 input)
-        total += c * i * (1 + (1 if down else 0))
+    total += _mlp_saved_bytes_per_token(shape, cfg)
     # LoRA: each adapter keeps its rank-r intermediate (the input is already counted above)
     total += len(adapted) * cfg.lora.rank * 4 if not full else 0
     return total
+
+
+def _mlp_input_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> int:
+    """What one layer's MLP keeps of its input for backward, per token: each trainable gate/up linear's
+    own 16-bit copy under autocast, else the input itself once."""
+    p, c, full = _weight_size(cfg), _compute_size(cfg), cfg.method == "full"
+    adapted = {name.rsplit(".", 1)[-1] for name, _, _ in adapted_linears(shape, cfg)}
+    leaves = linear_leaf_names(shape)
+    mlp_in = ("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "dense_h_to_4h", "w1", "w3")
+    n_mlp = sum(1 for n in mlp_in if n in leaves and (full or n in adapted))
+    return n_mlp * c * shape.hidden if c != p else (n_mlp > 0) * p * shape.hidden
+
+
+def _mlp_saved_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> int:
+    """What one layer's MLP saves for backward, per token: its input and its intermediates: gated = up,
+    gate, act(gate) and their product (the down_proj input, kept only if it trains); plain = fc1
+    output and the activation output."""
+    i, c = shape.intermediate * shape.experts_per_token, _compute_size(cfg)
+    down = _down_input_saved(shape, cfg)
+    return _mlp_input_bytes_per_token(shape, cfg) + c * i * ((3 if shape.family == "llama" else 1) + (1 if down else 0))
 
 
 def _attention_scores_bytes(shape: ModelShape, cfg: RunConfig) -> int:
@@ -243,17 +253,23 @@ def _head_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     return int(tokens * _norm_bytes_per_token(shape, cfg) + head_input)
 
 
-def _layer_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
-    """Gradient buffers alive inside one layer's backward: in the MLP, the gradients of its
-    intermediates (down input, act output, up output: 3 x tokens x intermediate, 2 for a plain MLP),
-    less the down projection's saved input once its own backward has freed it, plus the gradient
-    of the residual stream that runs through every layer (in the weights' dtype)."""
+def _mlp_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
+    """The gradients of the MLP's intermediates in its backward (down input, act output, up output:
+    3 x tokens x intermediate, 2 for a plain MLP), less the down projection's saved input once its
+    own backward has freed it."""
     tokens = cfg.batch.micro_batch * cfg.data.seq_len
     width = shape.intermediate * shape.experts_per_token
     c = _compute_size(cfg)
     intermediates = width * c * (3 if shape.family == "llama" else 2)
     freed = width * c if _down_input_saved(shape, cfg) else 0
-    return int(tokens * (intermediates - freed + _weight_size(cfg) * shape.hidden))
+    return int(tokens * (intermediates - freed))
+
+
+def _layer_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
+    """Gradient buffers alive inside one layer's backward: the MLP's, plus the gradient of the
+    residual stream that runs through every layer (in the weights' dtype)."""
+    tokens = cfg.batch.micro_batch * cfg.data.seq_len
+    return _mlp_gradient_buffers(shape, cfg) + int(tokens * _weight_size(cfg) * shape.hidden)
 
 
 def _down_input_saved(shape: ModelShape, cfg: RunConfig) -> bool:
@@ -415,6 +431,37 @@ class StrategyTerms:
     def hidden_bytes(self) -> int:
         """One [tokens x hidden] tensor in the weights' dtype: a checkpointed layer's saved input."""
         return self.tokens * self.shape.hidden * _weight_size(self.cfg)
+
+    @property
+    def live_layers(self) -> int:
+        """Layers that are not checkpointed (they save all their tensors in the forward)."""
+        return self.shape.layers - _checkpointed_layers(self.shape, self.cfg)
+
+    @property
+    def last_layer_checkpointed(self) -> bool:
+        every = self.cfg.memory.activation_checkpoint_every
+        return bool(every) and (self.shape.layers - 1) % every == 0
+
+    @property
+    def mlp_saved_bytes(self) -> int:
+        """What one layer's MLP saves for backward (its input copies and intermediates), all tokens."""
+        return self.tokens * _mlp_saved_bytes_per_token(self.shape, self.cfg)
+
+    @property
+    def mlp_input_bytes(self) -> int:
+        """The part of mlp_saved_bytes that is the MLP's input."""
+        return self.tokens * _mlp_input_bytes_per_token(self.shape, self.cfg)
+
+    @property
+    def attention_buffer_bytes(self) -> int:
+        """The gradients of q, k, v and the attention output in one layer's backward, all tokens."""
+        shape = self.shape
+        return self.tokens * _compute_size(self.cfg) * (2 * shape.q_dim + 2 * shape.kv_dim)
+
+    @property
+    def mlp_buffer_bytes(self) -> int:
+        """The gradients of one layer's MLP intermediates in its backward, all tokens."""
+        return _mlp_gradient_buffers(self.shape, self.cfg)
 
     @property
     def largest_param_bytes(self) -> int:

@@ -20,6 +20,7 @@ import weakref
 from contextlib import nullcontext
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.strategies.step_strategy import StepStrategy
 
@@ -35,7 +36,9 @@ class OffloadActivations:
                  pin_memory: bool | None = None, force: bool = False, simulate: bool = False):
         self.param_ids = {id(p) for p in params}
         self.min_bytes, self.device = min_bytes, torch.device(device)
-        self.force = force  # copy even tensors already on `device` (exercises pack/unpack on a CPU run)
+        # Copy even tensors already on `device`: on a CPU run this is the CUDA path with the CPU as its
+        # device, so the memory tracker (which never sees host copies, see _copy_out) measures offloading.
+        self.force = force
         # The planner's trace (fake tensors, traced on the CPU for a CUDA target): drop the saved tensor and
         # re-create one of the same shape in backward, so the tracker sees exactly the GPU bytes offloading
         # frees and brings back, and no host copy (host memory is not the GPU's).
@@ -71,7 +74,14 @@ class OffloadActivations:
         return packed
 
     def _copy_out(self, tensor: torch.Tensor, packed: "_Packed") -> None:
-        fake = _is_fake(tensor)  # no real streams or pinned pages for fake tensors
+        if _is_fake(tensor):  # no real streams or pinned pages for fake tensors
+            return self._copy_to_host(tensor, packed, fake=True)
+        # The host copy is host memory, not the device's: made outside any dispatch mode, so a
+        # MemoryTracker measuring the device does not count it.
+        with _disable_current_modes():
+            self._copy_to_host(tensor, packed, fake=False)
+
+    def _copy_to_host(self, tensor: torch.Tensor, packed: "_Packed", fake: bool) -> None:
         packed.pinned = self.pin_memory and not fake
         packed.host = torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=self.device,
                                           pin_memory=packed.pinned)
@@ -119,7 +129,7 @@ class _Packed:
         else:
             if self.event is not None:
                 self.event.synchronize()  # the copy to host has finished (pinned memory is now valid)
-            tensor = self.host.to(self.device, non_blocking=self.pinned)
+            tensor = self.host.to(self.device, non_blocking=self.pinned, copy=True)  # a copy even on a CPU run
         self.restored = weakref.ref(tensor)
         return tensor
 
@@ -166,12 +176,10 @@ def _offload_peak(moments: dict, terms) -> None:
     start, what the loss saved) at a time."""
     if terms.device != "cuda":
         return
-    moments["backward_start"]["activations"] = min(moments["backward_start"]["activations"],
-                                                   terms.saved_loss_bytes + terms.layer_bytes)
     # a checkpointed last layer brings back only its input; its recomputed tensors are temporaries
-    every = terms.cfg.memory.activation_checkpoint_every
-    last_checkpointed = bool(every) and (terms.shape.layers - 1) % every == 0
-    back = terms.hidden_bytes if last_checkpointed else terms.layer_bytes
+    back = terms.hidden_bytes if terms.last_layer_checkpointed else terms.layer_bytes
+    moments["backward_start"]["activations"] = min(moments["backward_start"]["activations"],
+                                                   terms.saved_loss_bytes + back)
     moments["backward_last"]["activations"] = min(moments["backward_last"]["activations"], back)
 
 

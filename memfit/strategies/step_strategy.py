@@ -1,11 +1,14 @@
 """What a step strategy is: one entry that says everything the rest of memfit needs to know about it.
 
 A step strategy is a switch (`memory.<name>: true`, off by default) that changes how one optimizer
-step runs: the chunked loss, activation offload and optimizer in backward are the ones memfit has
-(memfit/strategies/table.py lists them). Its entry, beside its torch code, gives:
+step runs: the chunked loss, activation offload, optimizer in backward and the tiled MLP are the
+ones memfit has (memfit/strategies/table.py lists them). Its entry, beside its torch code, gives:
 
   hooks       the keyword arguments it gives `memfit.step.training_step` when on (the trainer and the
               planner's trace both get them from `memfit.step.step_strategies`)
+  model_hook  for a strategy that changes the model rather than the step: (model, cfg) -> model,
+              applied by `memfit.build.build_run` after the method (so the trace sees it too)
+  options     its settings besides the switch: config field name -> (type, pydantic Field keywords)
   peak        what it changes in the analytic estimate's peak candidates (memory/single_device.py)
   host_bytes  the host RAM it adds (memory/analytic.py)
   work        the work it adds to a step: matmul "flops", "host_bytes" over the host link
@@ -20,7 +23,9 @@ so a new step strategy is its own module plus one line in table.py.
 The memory and time functions get a `terms` object (memory/single_device.py: StrategyTerms) with the
 run's sizes: shape, cfg, device, tokens, micro_batches, loss_bytes (the fp32 log-softmax the plain
 loss saves), saved_loss_bytes (what the loss keeps for backward under this run's strategies),
-chunk_bytes, layer_bytes, hidden_bytes, largest_param_bytes and activation_bytes.
+chunk_bytes, layer_bytes, hidden_bytes, live_layers, last_layer_checkpointed, mlp_saved_bytes,
+mlp_input_bytes, attention_buffer_bytes, mlp_buffer_bytes, largest_param_bytes and activation_bytes.
+A strategy whose memory depends on a size not listed there adds a property to StrategyTerms.
 """
 
 from __future__ import annotations
@@ -49,6 +54,8 @@ class StepStrategy:
     without_deepspeed: str = ""            # why DeepSpeed cannot run it ("" = it can)
     forces: dict = field(default_factory=dict)  # settings the planner sets with it, unless the user fixed them
     gives_up: str = ""                     # what it trades, for the plan's table
+    model_hook: Callable[..., object] | None = None  # (model, cfg) -> model, when on
+    options: dict = field(default_factory=dict)  # memory.<option>: (type, Field keywords)
 
     @property
     def path(self) -> str:

@@ -18,7 +18,7 @@ from memfit.data.loader import build_batch_stream
 from memfit.distributed.checkpoint import unwrap
 from memfit.distributed.engine import Engine, make_engine
 from memfit.errors import MemfitError
-from memfit.memory.planner import resolve_budget
+from memfit.memory.planner import check_host_ram, resolve_budget
 from memfit.memory.report import MemoryReport
 from memfit.memory.timeline import write_timeline
 from memfit.memory.trace import trace_estimate
@@ -71,6 +71,8 @@ def preflight(cfg: RunConfig) -> None:
     check_model(cfg, load_model_config(cfg.model)[0], model_where(cfg.model), int(os.environ.get("WORLD_SIZE", 1)))
     check_weights(cfg.model)
     check_output_dir(cfg, planned_disk_bytes(cfg))
+    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    check_host_ram(cfg, "cuda" if cuda else "cpu")  # activation offload's pinned host memory
 
 
 def train(cfg: RunConfig, progress: bool = True) -> RunResult:

@@ -7,8 +7,11 @@ train() does: memfit's model build, checkpointing, optimizer and step_strategies
 runs the real chunked loss) at three sequence lengths, and the slope (peak(L3) - peak(L1)) /
 (L3 - L1) must be within 10 % of the slope of analytic_estimate(..., device="cpu").
 
-activation_offload is not covered: on CPU it is a no-op (the saved tensors already live in host
-RAM) and beyond_basics_terms only applies it for device="cuda", so a CPU slope says nothing about it.
+activation_offload is a no-op on a CPU run (the saved tensors already live in host RAM), so its
+combinations run the CUDA path with the CPU as the device (OffloadActivations(force=True): every saved
+tensor is copied out, the copy is invisible to the tracker as host memory is to the GPU, and comes back
+as a new allocation in backward) and compare with the estimate for device="cuda", which differs from
+the CPU one only by what offloading removes.
 
 The model is tiny-llama reshaped so that activations dominate the model states (4 layers, hidden 32,
 2 heads, intermediate 88, vocab 512: 66 k parameters): at batch.micro_batch=2 and data.seq_len=1024 the part of
@@ -31,6 +34,7 @@ from memfit.memory.tracker import MemoryTracker
 from memfit.models.loading import load_model_config
 from memfit.models.presets import load_preset_config
 from memfit.step import step_strategies, training_step
+from memfit.strategies.activation_offload import OffloadActivations
 
 SEQ_LENS = (256, 512, 1024)
 MICRO_BATCH = 2
@@ -42,6 +46,13 @@ COMBINATIONS = {
     "checkpointing": ["memory.checkpointing=full"],
     "chunked_loss": ["memory.chunked_loss=true"],
     "checkpointing+chunked_loss": ["memory.checkpointing=full", "memory.chunked_loss=true"],
+    "tiled_mlp": ["memory.tiled_mlp=true"],
+    "checkpointing+tiled_mlp": ["memory.checkpointing=full", "memory.tiled_mlp=true"],
+    "checkpointing+tiled_mlp+chunked_loss": ["memory.checkpointing=full", "memory.tiled_mlp=true",
+                                             "memory.chunked_loss=true"],
+    "checkpointing+offload": ["memory.checkpointing=full", "memory.activation_offload=true"],
+    "checkpointing+offload+tiled_mlp+chunked_loss": ["memory.checkpointing=full", "memory.activation_offload=true",
+                                                     "memory.tiled_mlp=true", "memory.chunked_loss=true"],
 }
 
 @pytest.fixture(scope="module")
@@ -56,8 +67,8 @@ def wide_activation_model(tmp_path_factory):
 
 
 def _config(words: list[str], model: str, seq_len: int):
-    return load_config(None, words + [f"model={model}", "model.init=random", f"data.seq_len={seq_len}", f"batch.micro_batch={MICRO_BATCH}",
-                                      "device=cpu", "optim.max_grad_norm=1.0"])
+    return load_config(None, words + [f"model={model}", "model.init=random", f"data.seq_len={seq_len}",
+                                      f"batch.micro_batch={MICRO_BATCH}", "device=cpu", "optim.max_grad_norm=1.0"])
 
 
 def measured_peaks(words: list[str], model: str) -> list[int]:
@@ -71,6 +82,8 @@ def measured_peaks(words: list[str], model: str) -> list[int]:
     run = build_run(cfg, device)
     net, optimizer, precision, params = run.model, run.optimizer, run.precision, run.params
     strategies = step_strategies(cfg, device, optimizer, params)  # chunked loss (offload: no-op on CPU)
+    if cfg.memory.activation_offload:
+        strategies["saved_activations"] = lambda: OffloadActivations(params, min_bytes=0, force=True)
     vocab = net.config.vocab_size
     tracker = MemoryTracker()
     peaks = []
@@ -91,7 +104,8 @@ def measured_peaks(words: list[str], model: str) -> list[int]:
 
 def predicted_peaks(words: list[str], model: str) -> list[int]:
     model_config = load_model_config(_config(words, model, SEQ_LENS[0]).model)[0]
-    return [analytic_estimate(_config(words, model, n), model_config, device="cpu").peak_allocated_bytes
+    device = "cuda" if "memory.activation_offload=true" in words else "cpu"
+    return [analytic_estimate(_config(words, model, n), model_config, device=device).peak_allocated_bytes
             for n in SEQ_LENS]
 
 

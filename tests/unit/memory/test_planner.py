@@ -94,6 +94,39 @@ def test_longest_sequence_is_the_longest_that_fits():
     assert found.max_micro_batch >= 1
 
 
+def test_llama8b_full_128k_window_fits_24gib_with_every_long_context_saver():
+    long = _user("method=qlora", "lora.rank=32", "data.seq_len=131072", "batch.micro_batch=1")
+    result = plan(LLAMA8, long, 24 * GiB, host_ram=128 * GiB, max_seq_len=True)
+    found, chosen = result.search, result.recommendation
+    assert chosen is not None and chosen.device_bytes + found.margin_bytes <= 24 * GiB
+    memory = chosen.cfg.memory
+    assert memory.checkpointing == "full" and memory.tiled_mlp and memory.activation_offload and memory.chunked_loss
+    # the saved layer inputs wait in host RAM: 32 layers x 131,072 tokens x 4,096 x 2 B = 32 GiB at least
+    assert chosen.estimate.cpu_ram_bytes >= 32 * 131072 * 4096 * 2
+    assert found.max_seq_len == 131072  # the model's whole window
+    # what each saver buys: growing lengths, the last rung the whole window, no rung past the budget
+    ladder = found.seq_len_ladder
+    assert [r.added for r in ladder][:2] == ["none of them", "+ checkpointing full"]
+    lengths = [r.max_seq_len for r in ladder]
+    assert lengths == sorted(lengths) and lengths[0] < 8192 and lengths[-1] == 131072
+    assert all(r.best.device_bytes + found.margin_bytes <= 24 * GiB for r in ladder)
+    tiled = next(i for i, r in enumerate(ladder) if r.added == "+ tiled mlp")
+    assert lengths[tiled] > lengths[tiled - 1]  # the tiled MLP lengthens the window by itself
+    # without the host RAM for the offloaded inputs, the planner refuses the 128k plan
+    short = plan(LLAMA8, long, 24 * GiB, host_ram=16 * GiB).search
+    assert short.chosen is None and "host RAM" in next(f for f in short.families if f.name == "QLoRA").reason
+
+
+def test_every_family_reports_its_longest_sequence_even_when_it_misses_the_requested_one():
+    found = plan(LLAMA8, _user("data.seq_len=131072", "batch.micro_batch=1"), 24 * GiB, host_ram=20 * GiB,
+                 max_seq_len=True).search
+    qlora = next(f for f in found.families if f.name == "QLoRA")
+    assert not qlora.fits and 8192 < qlora.max_seq_len < 131072
+    # with too little host RAM to offload, the longest of the lean variants keeps activations on the GPU
+    assert not qlora.longest.cfg.memory.activation_offload and qlora.longest.estimate.cpu_ram_bytes <= 20 * GiB
+    assert qlora.longest.device_bytes + found.margin_bytes <= 24 * GiB
+
+
 def test_nothing_fits_a_tiny_budget_and_each_family_says_by_how_much():
     result = plan(LLAMA7, load_config(None, []), 1 * GiB)
     assert result.recommendation is None
@@ -181,3 +214,32 @@ def test_largest_that_fits_finds_the_edge_of_any_monotone_rule(low, high):
         found = largest_that_fits(lambda v: calls.append(v) or v <= answer, low, high)
         assert found == (0 if answer < low else min(answer, high)), (answer, found)
         assert len(calls) <= 2 * max(high - low, 1).bit_length() + 2
+
+
+def test_a_run_whose_offloaded_activations_exceed_host_ram_is_refused_with_the_numbers():
+    from memfit.memory.planner import check_host_ram
+
+    long = _user("method=qlora", "data.seq_len=131072", "batch.micro_batch=1", "memory.checkpointing=full",
+                 "memory.activation_offload=true", "memory.tiled_mlp=true", "memory.chunked_loss=true")
+    with pytest.raises(MemfitError) as caught:
+        check_host_ram(long, "cuda", host_ram=16 * GiB)
+    message = str(caught.value)
+    assert "memory.activation_offload" in message and "16.00 GiB" in message and "131072" in message
+    check_host_ram(long, "cuda", host_ram=128 * GiB)  # room enough
+    check_host_ram(long, "cpu", host_ram=16 * GiB)  # a CPU run offloads nothing
+    check_host_ram(long.updated({"memory.activation_offload": False}), "cuda", host_ram=16 * GiB)
+
+
+def test_train_stops_before_loading_anything_when_host_ram_cannot_hold_the_offload(tmp_path, monkeypatch):
+    import torch
+
+    import memfit.memory.planner as planner
+    from memfit.train.loop import train
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # device auto resolves to CUDA
+    monkeypatch.setattr(planner, "machine_ram_bytes", lambda: 2**20)
+    cfg = load_config(None, ["model=memfit/tiny-llama", "model.init=random", "device=auto", "max_steps=1",
+                             "memory.activation_offload=true", f"output_dir={tmp_path / 'run'}"])
+    with pytest.raises(MemfitError, match="host RAM"):
+        train(cfg, progress=False)
+    assert not (tmp_path / "run").exists()  # nothing was built or written

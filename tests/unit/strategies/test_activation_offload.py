@@ -1,6 +1,7 @@
 """Activation offload: bit-identical gradients; a no-op on CPU runs."""
 
 import logging
+from contextlib import nullcontext
 
 import pytest
 import torch
@@ -98,3 +99,35 @@ def test_traced_estimate_drops_the_offloaded_bytes():
     left, offloaded = activations_after_forward(True)
     assert left <= 0.05 * kept  # what stays: the loss and tensors under min_bytes (none here)
     assert offloaded == pytest.approx(kept, rel=0.05)
+
+
+def test_checkpointed_layer_inputs_go_to_the_host():
+    """Offloaded checkpoints: with every layer checkpointed, what a layer saves is its input, and
+    that input passes through the offload hooks too, so after the forward the device holds none of it."""
+    from memfit.build import build_run
+    from memfit.config import load_config
+    from memfit.memory.tracker import MemoryTracker
+
+    cfg = load_config(None, ["model=memfit/tiny-llama", "model.init=random", "device=cpu", "batch.micro_batch=2",
+                             "data.seq_len=128", "memory.checkpointing=full"])
+    run = build_run(cfg, torch.device("cpu"))
+    ids = torch.randint(0, run.model.config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+    def after_forward(offload: bool):
+        with MemoryTracker() as tracker:
+            tracker.tag_module(run.model)
+            context = OffloadActivations(run.params, min_bytes=0, force=True) if offload else nullcontext()
+            with tracker.phase("forward"), context:
+                loss = run.model(**batch).loss
+            saved = tracker.current_by_category()["activations"]
+            with tracker.phase("backward"):
+                loss.backward()
+        run.model.zero_grad(set_to_none=True)
+        return saved, getattr(context, "offloaded_bytes", 0)
+
+    kept, _ = after_forward(False)
+    left, offloaded = after_forward(True)
+    layer_inputs = run.model.config.num_hidden_layers * 2 * 128 * run.model.config.hidden_size * 4  # fp32
+    assert kept >= layer_inputs  # checkpointing keeps (at least) each layer's input
+    assert offloaded >= layer_inputs and left <= 0.05 * kept

@@ -40,7 +40,8 @@ def test_switching_it_on_changes_the_step_hooks_and_the_estimate(strategy):
     hooks_off = step_strategies(off, torch.device("cpu"), optimizer, params)
     assert set(hooks_on) == set(hooks_off) == {"loss_fn", "saved_activations", "update"}
     changed = [key for key in hooks_on if hooks_on[key] is not hooks_off[key]]
-    assert changed or strategy.cuda_only  # off CUDA a cuda-only strategy's hook is a no-op
+    # off CUDA a cuda-only strategy's hook is a no-op; a model-changing one changes the model instead
+    assert changed or strategy.cuda_only or strategy.model_hook is not None
     config = load_preset_config(LLAMA8)
     shape, gpu = model_shape(config), find_gpu("RTX 4090")
     moments_on = beyond_basics_terms(peak_candidates(shape, on), shape, on, "cuda")
@@ -50,3 +51,17 @@ def test_switching_it_on_changes_the_step_hooks_and_the_estimate(strategy):
     time_on = sum(step_time(StrategyTerms(shape, on, "cuda"), gpu).values())
     time_off = sum(step_time(StrategyTerms(shape, off, "cuda"), gpu).values())
     assert time_on >= time_off if strategy.work is not None else time_on == pytest.approx(time_off)
+
+
+@pytest.mark.parametrize("strategy", [s for s in STEP_STRATEGIES if s.model_hook is not None], ids=lambda s: s.name)
+def test_a_model_changing_entry_is_applied_by_build_run(strategy):
+    from memfit.build import build_run
+
+    on = load_config(None, [f"{strategy.path}=true", "device=cpu"])
+    built_on = build_run(on, torch.device("cpu")).model
+    built_off = build_run(on.updated({strategy.path: False}), torch.device("cpu")).model
+    assert [type(m) for m in built_on.modules()] == [type(m) for m in built_off.modules()]
+    assert [n for n, _ in built_on.named_parameters()] == [n for n, _ in built_off.named_parameters()]
+    changed = [name for (name, a), (_, b) in zip(built_on.named_modules(), built_off.named_modules())
+               if "forward" in vars(a) and "forward" not in vars(b)]
+    assert changed  # the hook ran on the very model build_run returns
