@@ -301,7 +301,7 @@ def search_lines(result: Plan) -> list[str]:
                   f"~{chosen.step_seconds:.2f} s per step ({chosen.tokens_per_second:,.0f} tokens/s predicted), "
                   f"gives up: {'; '.join(chosen.gives_up) or 'nothing'}"]
         if found.max_seq_len is not None:
-            lines.append(f"  longest seq_len that fits this plan at micro_batch 1: {found.max_seq_len or 'none'}")
+            lines.append(f"  longest seq_len that fits this plan at micro_batch 1: {_count(found.max_seq_len)}")
             lines += _ladder_lines(found.seq_len_ladder)
         if found.max_micro_batch is not None:
             lines.append(f"  largest micro_batch that fits this plan at seq_len {chosen.cfg.data.seq_len}: "
@@ -321,7 +321,7 @@ def search_lines(result: Plan) -> list[str]:
         lines.append(f"  [{mark}] {family.name}: {family.reason}")
         limits = []
         if family.max_seq_len is not None:
-            limits.append(f"longest seq_len at micro_batch 1: {family.max_seq_len or 'none'}" + (
+            limits.append(f"longest seq_len at micro_batch 1: {_count(family.max_seq_len)}" + (
                 f" (GPU {family.longest.device_bytes / 2**30:.2f} GiB, host RAM "
                 f"{family.longest.estimate.cpu_ram_bytes / 2**30:.1f} GiB) with {_settings(family.longest.cfg)}"
                 if family.longest else ""))
@@ -333,6 +333,10 @@ def search_lines(result: Plan) -> list[str]:
     return lines
 
 
+def _count(value: int) -> str:
+    return f"{value:,}" if value else "none"
+
+
 def _ladder_lines(ladder) -> list[str]:
     """What each memory saver buys: the longest seq_len as they are switched on one after another."""
     if not ladder:
@@ -342,7 +346,7 @@ def _ladder_lines(ladder) -> list[str]:
              f"{'step there':>11}"]
     for rung in ladder:
         best = rung.best
-        length = f"{rung.max_seq_len:,}" if rung.max_seq_len else "none"
+        length = _count(rung.max_seq_len)
         gpu = f"{best.device_bytes / 2**30:.2f} GiB" if best else "-"
         host = f"{best.estimate.cpu_ram_bytes / 2**30:.1f} GiB" if best else "-"
         step = f"{best.step_seconds:.1f} s" if best else "-"
