@@ -13,8 +13,7 @@ Part 3 measures on this machine's CPU: a tiny Llama-shaped model (intermediate/h
 Llama-3.1-8B) trains one real step per length through memfit's build and step, under the tracker;
 the analytic estimate for the same config stands beside it, with the slope of both. Activation
 offload is a no-op on a CPU run, so its mixes run the CUDA path with the CPU as the device
-(OffloadActivations(force=True): each saved tensor is copied out to memory the tracker does not see,
-as host memory is not the GPU's, and comes back in backward), beside the estimate for device="cuda".
+(memfit/memory/measure.py), beside the estimate for device="cuda".
 """
 
 from __future__ import annotations
@@ -27,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from memfit.build import build_run
 from memfit.config import load_config
 from memfit.memory.analytic import analytic_estimate
 from memfit.memory.costs import step_time
@@ -35,11 +33,9 @@ from memfit.memory.gpus import find_gpu
 from memfit.memory.model_shape import model_shape
 from memfit.memory.planner import plan
 from memfit.memory.single_device import StrategyTerms
-from memfit.memory.tracker import MemoryTracker
+from memfit.memory.measure import tracked_step_peaks
 from memfit.models.loading import load_model_config
 from memfit.models.presets import load_preset_config
-from memfit.step import step_strategies, training_step
-from memfit.strategies.activation_offload import OffloadActivations
 from memfit.units import parse_bytes
 
 GiB = 2**30
@@ -51,9 +47,11 @@ SAVERS = {"checkpointing": {"memory.checkpointing": "none"}, "chunked loss": {"m
 CPU_MIXES = {
     "plain": [],
     "checkpointing": ["memory.checkpointing=full"],
-    "+ offload": ["memory.checkpointing=full", "memory.activation_offload=true"],
-    "+ tiled MLP": ["memory.checkpointing=full", "memory.activation_offload=true", "memory.tiled_mlp=true"],
-    "+ chunked loss": ["memory.checkpointing=full", "memory.activation_offload=true", "memory.tiled_mlp=true",
+    "checkpointing + offload": ["memory.checkpointing=full", "memory.activation_offload=true"],
+    "checkpointing + offload + prefetch": ["memory.checkpointing=full", "memory.activation_offload=true",
+                   "memory.activation_offload_prefetch=true"],
+    "checkpointing + offload + tiled MLP": ["memory.checkpointing=full", "memory.activation_offload=true", "memory.tiled_mlp=true"],
+    "checkpointing + offload + tiled MLP + chunked loss": ["memory.checkpointing=full", "memory.activation_offload=true", "memory.tiled_mlp=true",
                        "memory.chunked_loss=true"],
     "tiled MLP alone": ["memory.tiled_mlp=true"],
     "checkpointing + tiled MLP + chunked loss": ["memory.checkpointing=full", "memory.tiled_mlp=true",
@@ -104,25 +102,6 @@ def cost_rows(chosen) -> list[str]:
     return rows
 
 
-def measured_peak(cfg, seq_len: int) -> int:
-    device = torch.device("cpu")
-    torch.manual_seed(0)
-    run = build_run(cfg, device)
-    strategies = step_strategies(cfg, device, run.optimizer, run.params)
-    if cfg.memory.activation_offload:  # the CUDA path with the CPU as the device (see the docstring)
-        strategies["saved_activations"] = lambda: OffloadActivations(run.params, min_bytes=0, force=True)
-    tracker = MemoryTracker()
-    with tracker:
-        tracker.tag_module(run.model)
-        for length in (16, seq_len):  # 16: the warm-up step that creates the optimizer states
-            ids = torch.randint(0, TINY_LLAMA_SHAPE["vocab_size"], (1, length))
-            batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
-            tracker.tag(batch.values(), "activations")
-            tracker.reset_peak()
-            training_step(run.model, run.optimizer, [batch], run.precision, tracker, run.params, None, **strategies)
-    return tracker.peak_bytes
-
-
 def cpu_rows(lengths: list[int]) -> list[str]:
     folder = Path(tempfile.mkdtemp(prefix="memfit-long-"))
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA_SHAPE))
@@ -134,7 +113,7 @@ def cpu_rows(lengths: list[int]) -> list[str]:
             return load_config(None, [f"model={folder}", "model.init=random", "device=cpu", "batch.micro_batch=1",
                                       f"data.seq_len={n}", *words])
         model_config = load_model_config(config(lengths[0]).model)[0]
-        measured = [measured_peak(config(n), n) for n in lengths]
+        measured = [tracked_step_peaks(config(n), [n])[0] for n in lengths]
         device = "cuda" if "memory.activation_offload=true" in words else "cpu"
         planned = [analytic_estimate(config(n), model_config, device=device).peak_allocated_bytes for n in lengths]
         span = lengths[-1] - lengths[0]

@@ -57,7 +57,7 @@ def step_strategies(cfg, device: torch.device, optimizer: torch.optim.Optimizer,
     hooks = {"loss_fn": plain_loss, "saved_activations": nullcontext, "update": None}
     for strategy in STEP_STRATEGIES:  # memfit/strategies/table.py
         if getattr(cfg.memory, strategy.name):
-            hooks.update(strategy.hooks(device, optimizer, params, traced))
+            hooks.update(strategy.hooks(cfg, device, optimizer, params, traced))
     return hooks
 
 

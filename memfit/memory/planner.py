@@ -274,7 +274,11 @@ def plan_text(result: Plan) -> str:
 def _settings(cfg: RunConfig) -> str:
     """The plan's choices in the words of RunConfig keys, defaults left out."""
     parts = [f"{cfg.precision}", cfg.optim.name, f"checkpointing {cfg.memory.checkpointing}"]
-    parts += [strategy.name.replace("_", " ") for strategy in STEP_STRATEGIES if getattr(cfg.memory, strategy.name)]
+    for strategy in STEP_STRATEGIES:
+        if getattr(cfg.memory, strategy.name):
+            parts.append(strategy.name.replace("_", " "))
+            parts += [option.replace("_", " ") + ("" if value is True else f" {value}") for option in strategy.options
+                      if (value := getattr(cfg.memory, option)) not in (None, False)]
     parts.append(f"micro_batch {cfg.batch.micro_batch} x grad_accum {cfg.batch.grad_accum}")
     return ", ".join(parts)
 

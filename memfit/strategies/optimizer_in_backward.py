@@ -100,7 +100,7 @@ def _in_backward_peak(moments: dict, terms) -> None:
 OPTIMIZER_IN_BACKWARD = StepStrategy(
     "optimizer_in_backward", "Update each parameter as soon as its gradient is ready and free that gradient; "
                              "needs batch.grad_accum: 1 and optim.max_grad_norm: null.",
-    hooks=lambda device, optimizer, params, traced: {"update": InBackwardUpdate(optimizer, params)},
+    hooks=lambda cfg, device, optimizer, params, traced: {"update": InBackwardUpdate(optimizer, params)},
     peak=_in_backward_peak, problems=in_backward_problems, lean=(True, False),
     without_deepspeed="the DeepSpeed engine owns the optimizer step",
     forces={"optim.max_grad_norm": None}, gives_up="no gradient clipping")

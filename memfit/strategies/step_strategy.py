@@ -42,7 +42,7 @@ def _no_problems(cfg) -> list[str]:
 class StepStrategy:
     name: str                              # the config switch memory.<name>
     description: str                       # help for the config field and the `memfit plan` flag
-    hooks: Callable[..., dict]             # (device, optimizer, params, traced) -> training_step kwargs, when on
+    hooks: Callable[..., dict]             # (cfg, device, optimizer, params, traced) -> training_step kwargs, when on
     peak: Callable[[dict, object], None] | None = None   # (peak candidates, terms): adjusts them in place
     host_bytes: Callable[[object], int] | None = None    # (terms) -> host RAM it adds
     work: Callable[[object], dict[str, float]] | None = None  # (terms) -> {"flops" | "host_bytes": per step}

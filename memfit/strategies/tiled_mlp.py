@@ -126,7 +126,7 @@ TILED_MLP = StepStrategy(
     "tiled_mlp", "Run each decoder MLP over slices of the tokens, each recomputed in backward: one slice's "
                  "intermediates alive at a time (same gradients; one more MLP forward). Gated MLPs "
                  "(Llama, Mistral, Qwen2 ...).",
-    hooks=lambda device, optimizer, params, traced: {}, model_hook=apply_tiled_mlp,
+    hooks=lambda cfg, device, optimizer, params, traced: {}, model_hook=apply_tiled_mlp,
     peak=_tiled_peak, work=_tiled_work, sharded_estimate=False,
     options={"tiled_mlp_slices": (int | None, dict(default=None, ge=1, description=(
         "Slices per MLP with memory.tiled_mlp (null: slices of `hidden` tokens each; more than the "

@@ -8,15 +8,13 @@ runs the real chunked loss) at three sequence lengths, and the slope (peak(L3) -
 (L3 - L1) must be within 10 % of the slope of analytic_estimate(..., device="cpu").
 
 activation_offload is a no-op on a CPU run (the saved tensors already live in host RAM), so its
-combinations run the CUDA path with the CPU as the device (OffloadActivations(force=True): every saved
-tensor is copied out, the copy is invisible to the tracker as host memory is to the GPU, and comes back
-as a new allocation in backward) and compare with the estimate for device="cuda", which differs from
-the CPU one only by what offloading removes.
+combinations run the CUDA path with the CPU as the device (memfit/memory/measure.py) and compare with
+the estimate for device="cuda", which differs from the CPU one only by what offloading removes.
 
 The model is tiny-llama reshaped so that activations dominate the model states (4 layers, hidden 32,
 2 heads, intermediate 88, vocab 512: 66 k parameters): at batch.micro_batch=2 and data.seq_len=1024 the part of
 the peak that grows with seq_len is 67-73 % of it (checked below), and every op stays cheap.
-Batches are synthetic full-length sequences (micro_batch x seq_len tokens, checked below), so
+Batches are synthetic full-length sequences (micro_batch x seq_len tokens), so
 the measured batch really is seq_len long (the shipped demo records are shorter than 1024 tokens).
 """
 
@@ -25,16 +23,12 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from memfit.build import build_run
 from memfit.config import load_config
 from memfit.memory.analytic import analytic_estimate
-from memfit.memory.tracker import MemoryTracker
+from memfit.memory.measure import tracked_step_peaks
 from memfit.models.loading import load_model_config
 from memfit.models.presets import load_preset_config
-from memfit.step import step_strategies, training_step
-from memfit.strategies.activation_offload import OffloadActivations
 
 SEQ_LENS = (256, 512, 1024)
 MICRO_BATCH = 2
@@ -51,6 +45,8 @@ COMBINATIONS = {
     "checkpointing+tiled_mlp+chunked_loss": ["memory.checkpointing=full", "memory.tiled_mlp=true",
                                              "memory.chunked_loss=true"],
     "checkpointing+offload": ["memory.checkpointing=full", "memory.activation_offload=true"],
+    "checkpointing+offload+prefetch": ["memory.checkpointing=full", "memory.activation_offload=true",
+                                       "memory.activation_offload_prefetch=true"],
     "checkpointing+offload+tiled_mlp+chunked_loss": ["memory.checkpointing=full", "memory.activation_offload=true",
                                                      "memory.tiled_mlp=true", "memory.chunked_loss=true"],
 }
@@ -72,34 +68,9 @@ def _config(words: list[str], model: str, seq_len: int):
 
 
 def measured_peaks(words: list[str], model: str) -> list[int]:
-    """Tracked peak of one real training step per seq_len, with the optimizer states already there.
-
-    One model per combination: a first short step creates the AdamW states (as in any step after
-    the first), then each length's step starts from the same resident state (weights + states)."""
-    cfg = _config(words, model, SEQ_LENS[0])
-    device = torch.device("cpu")
-    torch.manual_seed(0)
-    run = build_run(cfg, device)
-    net, optimizer, precision, params = run.model, run.optimizer, run.precision, run.params
-    strategies = step_strategies(cfg, device, optimizer, params)  # chunked loss (offload: no-op on CPU)
-    if cfg.memory.activation_offload:
-        strategies["saved_activations"] = lambda: OffloadActivations(params, min_bytes=0, force=True)
-    vocab = net.config.vocab_size
-    tracker = MemoryTracker()
-    peaks = []
-    with tracker:
-        tracker.tag_module(net)
-        for seq_len in (16, *SEQ_LENS):  # 16: the warm-up step that creates the optimizer states
-            ids = torch.randint(0, vocab, (MICRO_BATCH, seq_len))
-            batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
-            assert batch["input_ids"].shape == (MICRO_BATCH, seq_len)  # the real batch is seq_len long
-            tracker.tag(batch.values(), "activations")
-            tracker.reset_peak()
-            training_step(net, optimizer, [batch], precision, tracker, params, cfg.optim.max_grad_norm, **strategies)
-            assert optimizer.state, "AdamW states must exist from the warm-up step on"
-            peaks.append(tracker.peak_bytes)
-            del ids, batch
-    return peaks[1:]
+    """Tracked peak of one real training step per seq_len, with the optimizer states already there
+    (memfit/memory/measure.py: one model per combination, a short warm-up step first)."""
+    return tracked_step_peaks(_config(words, model, SEQ_LENS[0]), list(SEQ_LENS))
 
 
 def predicted_peaks(words: list[str], model: str) -> list[int]:

@@ -131,3 +131,45 @@ def test_checkpointed_layer_inputs_go_to_the_host():
     layer_inputs = run.model.config.num_hidden_layers * 2 * 128 * run.model.config.hidden_size * 4  # fp32
     assert kept >= layer_inputs  # checkpointing keeps (at least) each layer's input
     assert offloaded >= layer_inputs and left <= 0.05 * kept
+
+
+def _checkpointed_run():
+    from memfit.build import build_run
+    from memfit.config import load_config
+
+    cfg = load_config(None, ["model=memfit/tiny-llama", "model.init=random", "device=cpu", "batch.micro_batch=2",
+                             "data.seq_len=128", "memory.checkpointing=full"])
+    torch.manual_seed(0)
+    run = build_run(cfg, torch.device("cpu"))
+    ids = torch.randint(0, run.model.config.vocab_size, (2, 128), generator=torch.Generator().manual_seed(0))
+    return run, {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def test_prefetch_brings_the_next_layer_input_back_early_with_identical_gradients(monkeypatch):
+    import memfit.strategies.activation_offload as module
+
+    fetched_early = []
+    start_fetch = module._Packed.start_fetch
+
+    def counting(packed):
+        fetched_early.append(packed.size)
+        start_fetch(packed)
+
+    monkeypatch.setattr(module._Packed, "start_fetch", counting)
+
+    def grads(prefetch: bool):
+        run, batch = _checkpointed_run()
+        with OffloadActivations(run.params, min_bytes=0, force=True, prefetch=prefetch):
+            loss = run.model(**batch).loss
+        loss.backward()
+        return {n: p.grad.clone() for n, p in run.model.named_parameters() if p.grad is not None}
+
+    plain = grads(False)
+    assert not fetched_early
+    early = grads(True)
+    for name, grad in plain.items():
+        assert torch.equal(early[name], grad), name
+    hidden = _checkpointed_run()[0].model.config.hidden_size
+    layers = _checkpointed_run()[0].model.config.num_hidden_layers
+    # every layer but the first (in forward order) has its input fetched while the later layer runs
+    assert sum(1 for size in fetched_early if tuple(size) == (2, 128, hidden)) >= layers - 1

@@ -12,9 +12,8 @@ from memfit.build import build_run
 from memfit.config import load_config
 from memfit.errors import MemfitError
 from memfit.memory.analytic import analytic_estimate
-from memfit.memory.tracker import MemoryTracker
+from memfit.memory.measure import tracked_step_peaks
 from memfit.models.loading import load_model_config
-from memfit.step import step_strategies, training_step
 from memfit.strategies import tiled_mlp
 from memfit.strategies.tiled_mlp import apply_tiled_mlp, slice_tokens
 
@@ -77,22 +76,6 @@ def test_qlora_gradients_equal_the_untiled_ones(tmp_path):
         torch.testing.assert_close(tiled[name], plain[name], rtol=1e-3, atol=1e-4, msg=name)
 
 
-def _tracked_peak(cfg, seq_len: int) -> int:
-    device = torch.device("cpu")
-    torch.manual_seed(0)
-    run = build_run(cfg, device)
-    strategies = step_strategies(cfg, device, run.optimizer, run.params)
-    tracker = MemoryTracker()
-    with tracker:
-        tracker.tag_module(run.model)
-        ids = torch.randint(0, SHAPE["vocab_size"], (2, seq_len))
-        batch = dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
-        tracker.tag(batch.values(), "activations")
-        tracker.reset_peak()
-        training_step(run.model, run.optimizer, [batch], run.precision, tracker, run.params, None, **strategies)
-    return tracker.peak_bytes
-
-
 @pytest.mark.parametrize("words", [[], ["memory.checkpointing=full"]], ids=["plain", "checkpointing"])
 def test_tiling_lowers_the_measured_peak_as_the_planner_predicts(tmp_path, words):
     # An MLP 8x wider than the model so the MLP intermediates set the peak, as at long context.
@@ -100,7 +83,7 @@ def test_tiling_lowers_the_measured_peak_as_the_planner_predicts(tmp_path, words
     model = str(tmp_path / "wide")
     config = load_model_config(_cfg(model).model)[0]
     plain_cfg, tiled_cfg = _cfg(model, *words, seq_len=512), _cfg(model, *words, "memory.tiled_mlp=true", seq_len=512)
-    measured = _tracked_peak(plain_cfg, 512), _tracked_peak(tiled_cfg, 512)
+    measured = tracked_step_peaks(plain_cfg, [512])[0], tracked_step_peaks(tiled_cfg, [512])[0]
     predicted = (analytic_estimate(plain_cfg, config, device="cpu").peak_allocated_bytes,
                  analytic_estimate(tiled_cfg, config, device="cpu").peak_allocated_bytes)
     assert measured[1] < 0.8 * measured[0], measured
