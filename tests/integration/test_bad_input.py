@@ -225,6 +225,14 @@ CASES = [
          ["data.max_record_bytes=1024"],
          setup=lambda t: _data(t, '{"text": "ok"}\n' + json.dumps({"text": "x" * 4096}) + "\n"),
          mentions=("bad.jsonl:2", "max_record_bytes")),
+    Case("tiled-mlp-unsupported", "`memory.tiled_mlp=true` on a GPT-2 model (an MLP it cannot tile)",
+         ["memory.tiled_mlp=true", "model.init=random"],
+         setup=lambda t: _model_dir(t, "gpt2", {"model_type": "gpt2", "n_embd": 32, "n_layer": 2, "n_head": 2,
+                                                "vocab_size": 300, "n_positions": 256}),
+         mentions=("memory.tiled_mlp", "GPT2MLP", "LlamaMLP")),
+    Case("prefetch-without-checkpointing", "`memory.activation_offload_prefetch=true` without full checkpointing",
+         ["memory.activation_offload=true", "memory.activation_offload_prefetch=true"],
+         mentions=("memory.activation_offload_prefetch", "memory.checkpointing: full")),
 ]
 
 
