@@ -35,7 +35,9 @@ PRECISIONS_SEARCHED = ("bf16-mixed", "bf16-pure")  # fp16-mixed and fp32 only wh
 TIE = 0.05  # plans within 5% of the fastest step time count as equally fast: fidelity decides
 # config paths the search may choose; a value the user set is held fixed
 SEARCHED = ("method", "quant.scheme", "precision", "optim.name", "memory.checkpointing",
-            *(strategy.path for strategy in STEP_STRATEGIES), "distributed.sharding", "distributed.offload",
+            *(strategy.path for strategy in STEP_STRATEGIES),
+            *(f"memory.{option}" for strategy in STEP_STRATEGIES for option in strategy.searched_options),
+            "distributed.sharding", "distributed.offload",
             "distributed.tensor_parallel", "distributed.pipeline_parallel", "optim.max_grad_norm")
 # the per-rank estimate (memory/distributed_estimate.py) does not model these yet: off in sharded families
 UNMODELLED_SHARDED = {strategy.path: False for strategy in STEP_STRATEGIES if not strategy.sharded_estimate}
@@ -224,10 +226,19 @@ def _members(base: RunConfig, family: dict, fixed: dict, sequences: int, device:
     shapes = _batch_shapes(sequences)
     keys = list(dims)
     for values in itertools.product(*(dims[k] for k in keys)):
-        chosen = dict(zip(keys, values))
-        for mb, ga in shapes:
-            update = {**family, **chosen, "batch.micro_batch": mb, "batch.grad_accum": ga, "budget": None}
-            yield _with_forced(update, base, fixed)
+        for chosen in _with_options(dict(zip(keys, values)), base, fixed):
+            for mb, ga in shapes:
+                update = {**family, **chosen, "batch.micro_batch": mb, "batch.grad_accum": ga, "budget": None}
+                yield _with_forced(update, base, fixed)
+
+
+def _with_options(chosen: dict, base: RunConfig, fixed: dict):
+    """`chosen` once for each combination of the searched options of the strategies it switches on."""
+    options = {f"memory.{name}": values for strategy in STEP_STRATEGIES
+               if chosen.get(strategy.path, getattr(base.memory, strategy.name))
+               for name, values in strategy.searched_options.items() if f"memory.{name}" not in fixed}
+    for values in itertools.product(*options.values()):
+        yield {**chosen, **dict(zip(options, values))}
 
 
 # --- scoring ----------------------------------------------------------------------------------------------
@@ -393,6 +404,7 @@ def seq_len_ladder(start: RunConfig, scorer: _Scorer, family: str, high: int, fi
     savers |= {strategy.name.replace("_", " "): {strategy.path: True} for strategy in STEP_STRATEGIES
                if strategy.path not in fixed and True in _tried(strategy, strategy.lean, device)}
     off = {"memory.checkpointing": "none"} | {strategy.path: False for strategy in STEP_STRATEGIES}
+    off |= {f"memory.{name}": values[0] for strategy in STEP_STRATEGIES for name, values in strategy.searched_options.items()}
     current = {path: value for path, value in off.items() if path not in fixed}
 
     def rung(added: str, update: dict) -> Rung | None:

@@ -254,4 +254,5 @@ ACTIVATION_OFFLOAD = StepStrategy(
     lean=(False, True), cuda_only=True, sharded_estimate=False, without_deepspeed="not supported",
     options={"activation_offload_prefetch": (bool, dict(default=False, description=(
         "With memory.activation_offload and memory.checkpointing: full, bring the next layer's input back "
-        "while the current layer recomputes (the copy overlaps compute; one more layer input on the GPU)")))})
+        "while the current layer recomputes (the copy overlaps compute; one more layer input on the GPU)")))},
+    searched_options={"activation_offload_prefetch": (False, True)})

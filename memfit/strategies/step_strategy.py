@@ -15,7 +15,8 @@ ones memfit has (memfit/strategies/table.py lists them). Its entry, beside its t
               (memory/costs.py turns them into the seconds the planner ranks plans by)
   problems    its rules against the rest of the config (checked on every construction)
   searched    the values the planner's search tries (memory/search.py), `lean` those of its leanest
-              pre-check; `cuda_only` strategies are tried on CUDA runs only
+              pre-check; `cuda_only` strategies are tried on CUDA runs only; `searched_options` the
+              values of its options tried in plans that switch it on (its rules prune the rest)
 
 The config field, the `memfit plan --<name>` flag and the search dimension are made from the entry,
 so a new step strategy is its own module plus one line in table.py.
@@ -56,6 +57,7 @@ class StepStrategy:
     gives_up: str = ""                     # what it trades, for the plan's table
     model_hook: Callable[..., object] | None = None  # (model, cfg) -> model, when on
     options: dict = field(default_factory=dict)  # memory.<option>: (type, Field keywords)
+    searched_options: dict = field(default_factory=dict)  # memory.<option>: values the search tries when on
 
     @property
     def path(self) -> str:

@@ -243,3 +243,13 @@ def test_train_stops_before_loading_anything_when_host_ram_cannot_hold_the_offlo
     with pytest.raises(MemfitError, match="host RAM"):
         train(cfg, progress=False)
     assert not (tmp_path / "run").exists()  # nothing was built or written
+
+
+def test_the_search_prefetches_offloaded_inputs_where_the_extra_layer_input_fits():
+    def chosen(seq_len: int):
+        found = plan(LLAMA8, _user("method=qlora", "lora.rank=32", f"data.seq_len={seq_len}", "batch.micro_batch=1"),
+                     24 * GiB, host_ram=128 * GiB).search
+        return found.chosen.cfg.memory
+    roomy, full = chosen(65536), chosen(131072)
+    assert roomy.activation_offload and roomy.activation_offload_prefetch  # faster, and 1 GiB fits at 64k
+    assert full.activation_offload and not full.activation_offload_prefetch  # at 128k it does not
