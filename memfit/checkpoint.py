@@ -219,6 +219,25 @@ def prune(root: Path, keep: int) -> None:
 # ---------------------------------------------------------------- reading
 
 
+def file_sha256(path: Path) -> str:
+    """sha256 of a file, read in 8 MiB pieces: a multi-GB shard never has to fit in RAM."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while piece := handle.read(8 << 20):
+            digest.update(piece)
+    return digest.hexdigest()
+
+
+def write_manifest(folder: Path, step: int) -> None:
+    """Size and sha256 of every file under `folder` (names relative to it), as `verify` reads them.
+    For checkpoints whose files other writers (DCP, DeepSpeed) have already put on disk."""
+    files = {str(file.relative_to(folder)): {"bytes": file.stat().st_size, "sha256": file_sha256(file)}
+             for file in sorted(folder.rglob("*")) if file.is_file() and file.name != MANIFEST}
+    _write_bytes(folder / MANIFEST, json.dumps({"format": FORMAT_VERSION, "step": step, "files": files},
+                                               indent=1).encode())
+    _fsync_dir(folder)
+
+
 def verify(path: Path) -> str | None:
     """None when the checkpoint folder matches its manifest; otherwise what is wrong with it."""
     try:
@@ -235,8 +254,7 @@ def verify(path: Path) -> str | None:
         size = file.stat().st_size
         if size != expected["bytes"]:
             return f"{name} has {size} bytes, the manifest says {expected['bytes']} (torn write)"
-        digest = hashlib.sha256(file.read_bytes()).hexdigest()
-        if digest != expected["sha256"]:
+        if file_sha256(file) != expected["sha256"]:
             return f"{name} does not match its sha256 in the manifest (corrupt)"
     return None
 

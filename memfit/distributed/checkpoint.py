@@ -11,8 +11,11 @@ Resumable checkpoint (every rank takes part): `<output_dir>/checkpoints/sharded-
   trainer.pt          rank 0: LR scheduler state and optimizer hyperparameters (loaded with
                       weights_only=True: a checkpoint never unpickles code)
   rng-rank<r>.pt      each rank's torch RNG state
+  manifest.json       rank 0: size and sha256 of every file above, as single-process checkpoints
 It is written under a `.tmp-` name and renamed by rank 0 once every rank has finished, so a
-folder with the final name is complete.
+folder with the final name is complete. Resume takes the newest folder that matches its manifest
+(rank 0 checks, every rank loads the same one) and reads it through memfit/distributed/safe_load.py:
+no file in it can run code when loaded.
 
 Final model: `get_model_state_dict(full_state_dict=True, cpu_offload=True)` gathers the full
 weights onto rank 0's CPU (other ranks receive nothing), and rank 0 writes them with the
@@ -22,6 +25,7 @@ model's own `save_pretrained` (safetensors; PEFT adapter files for LoRA).
 from __future__ import annotations
 
 import json
+import logging
 import pickle
 import re
 import shutil
@@ -29,9 +33,12 @@ from pathlib import Path
 
 import torch
 
+from memfit.checkpoint import verify, write_manifest
 from memfit.distributed.launch import DistContext, gather_to_main
+from memfit.distributed.safe_load import dcp_load, dcp_metadata
 from memfit.errors import MemfitError
 
+log = logging.getLogger(__name__)
 PREFIX = "sharded-step-"
 TRAINER = "trainer.json"
 TENSORS = "trainer.pt"  # scheduler state and optimizer hyperparameters
@@ -92,9 +99,7 @@ def _state(model, optimizer) -> dict:
 def _load_named_optimizer_state(path: Path, model, optimizer) -> None:
     """Give each of this rank's parameters the optimizer state saved under its name, whichever
     rank (of however many) saved it; hyperparameters come from the saved param groups."""
-    import torch.distributed.checkpoint as dcp
-
-    saved = dcp.FileSystemReader(str(path / "state")).read_metadata().state_dict_metadata
+    saved = dcp_metadata(path / "state").state_dict_metadata
     mine = _local_params_by_name(model, optimizer)
     wanted = {}
     for fqn, meta in saved.items():
@@ -105,7 +110,7 @@ def _load_named_optimizer_state(path: Path, model, optimizer) -> None:
         raise MemfitError(f"{path}: holds no per-parameter optimizer state (it was written by another engine); "
                           "resume with the sharding it was saved with")
     loaded = {"optim_by_name": wanted}
-    dcp.load(loaded, checkpoint_id=str(path / "state"))
+    dcp_load(loaded, path / "state")
     local = _local_optimizer(optimizer)
     for fqn, value in loaded["optim_by_name"].items():
         name, _, key = fqn.partition("::")
@@ -116,7 +121,8 @@ def _load_named_optimizer_state(path: Path, model, optimizer) -> None:
 def write_checkpoint_folder(root: Path, prefix: str, step: int, keep: int, write) -> Path:
     """Collective: every rank runs `write(folder, rank)` into `root/.tmp-<prefix><step>`, then saves
     its RNG state there; once all are done rank 0 renames the folder to its final name and keeps the
-    newest `keep` complete ones. `write` writes TRAINER last on rank 0: it marks a folder complete."""
+    newest `keep` complete ones. `write` writes TRAINER last on rank 0: it marks a folder complete;
+    the manifest of every rank's files follows once all have written."""
     import torch.distributed as dist
 
     rank = dist.get_rank()
@@ -129,6 +135,7 @@ def write_checkpoint_folder(root: Path, prefix: str, step: int, keep: int, write
     torch.save({"torch_cpu": torch.get_rng_state()}, tmp / f"rng-rank{rank}.pt")
     dist.barrier()
     if rank == 0:
+        write_manifest(tmp, step)
         shutil.rmtree(final, ignore_errors=True)
         tmp.rename(final)
         for old in complete_checkpoints(root, prefix)[:-keep]:
@@ -142,6 +149,24 @@ def complete_checkpoints(root: Path, prefix: str = PREFIX) -> list[Path]:
     pattern = re.compile(rf"^{re.escape(prefix)}(\d{{8,}})$")
     found = [p for p in Path(root).glob(f"{prefix}*") if pattern.match(p.name) and (p / TRAINER).exists()]
     return sorted(found, key=lambda p: int(pattern.match(p.name).group(1)))
+
+
+def newest_good_checkpoint(root: Path, prefix: str = PREFIX) -> Path | None:
+    """Collective: the newest complete checkpoint under `root` that matches its manifest, the same on
+    every rank (rank 0 reads the files; a damaged one is skipped with a warning naming the fault)."""
+    import torch.distributed as dist
+
+    chosen = None
+    if dist.get_rank() == 0:
+        for path in reversed(complete_checkpoints(root, prefix)):
+            problem = verify(path)
+            if problem is None:
+                chosen = str(path)
+                break
+            log.warning("checkpoint %s is damaged (%s); falling back to the previous one", path, problem)
+    shared = [chosen]
+    dist.broadcast_object_list(shared, src=0)
+    return Path(shared[0]) if shared[0] is not None else None
 
 
 def restore_rank_rng(path: Path, rank: int) -> None:
@@ -168,7 +193,6 @@ def save_sharded(out: Path, step: int, trainer: dict, model, optimizer, ctx: Dis
 
 def load_sharded(path: Path, model, optimizer, ctx: DistContext) -> dict:
     """Collective: restore model and optimizer (re-sharded to this run's ranks); returns trainer state."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
     path = Path(path)
@@ -176,7 +200,7 @@ def load_sharded(path: Path, model, optimizer, ctx: DistContext) -> dict:
         raise MemfitError(f"{path} is not a complete sharded checkpoint (no {TRAINER})")
     state = _state(model, optimizer)
     named = state.pop("optim_by_name", None) is not None
-    dcp.load(state, checkpoint_id=str(path / "state"))
+    dcp_load(state, path / "state")
     if named:
         if hasattr(model, "load_stage_state_dict"):
             model.load_stage_state_dict(state["model"])

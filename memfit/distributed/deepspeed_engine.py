@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 
 from memfit.checkpoint import TrainerState
-from memfit.distributed.checkpoint import TRAINER, complete_checkpoints, restore_rank_rng, write_checkpoint_folder
+from memfit.distributed.checkpoint import TRAINER, newest_good_checkpoint, restore_rank_rng, write_checkpoint_folder
+from memfit.distributed.safe_load import deepspeed_loads_weights_only
 from memfit.config.deepspeed import json_path, read_json, resolved_config
 from memfit.errors import MemfitError, require
 
@@ -241,8 +242,9 @@ def load_deepspeed(path: Path, engine, scheduler) -> dict:
 
     path = Path(path)
     trainer = json.loads((path / TRAINER).read_text())
-    loaded, _ = engine.load_checkpoint(str(path), tag="state", load_optimizer_states=True,
-                                       load_lr_scheduler_states=False)
+    with deepspeed_loads_weights_only(engine):  # DeepSpeed itself would unpickle anything
+        loaded, _ = engine.load_checkpoint(str(path), tag="state", load_optimizer_states=True,
+                                           load_lr_scheduler_states=False)
     if loaded is None:
         raise MemfitError(f"resume=true: DeepSpeed could not load the checkpoint in {path / 'state'}")
     if scheduler is not None and (path / "scheduler.pt").exists():
@@ -282,12 +284,13 @@ def resume(resume: bool, out: Path, engine, scheduler, stream) -> TrainerState:
     """Collective: the trainer state of the newest complete DeepSpeed checkpoint (a fresh one if none)."""
     import torch.distributed as dist
 
-    found = complete_checkpoints(Path(out) / "checkpoints", PREFIX) if resume else []
-    if not found:
+    found = newest_good_checkpoint(Path(out) / "checkpoints", PREFIX) if resume else None
+    if found is None:
         if resume:
-            log.warning("resume=true: no DeepSpeed checkpoint in %s; starting from step 0", Path(out) / "checkpoints")
+            log.warning("resume=true: no intact DeepSpeed checkpoint in %s; starting from step 0",
+                        Path(out) / "checkpoints")
         return TrainerState(data=stream.state_dict())
-    trainer = load_deepspeed(found[-1], engine, scheduler)
+    trainer = load_deepspeed(found, engine, scheduler)
     if trainer.get("world_size", dist.get_world_size()) != dist.get_world_size():
         log.warning("resuming a %d-rank DeepSpeed checkpoint on %d ranks (DeepSpeed re-partitions what it can)",
                     trainer["world_size"], dist.get_world_size())

@@ -121,13 +121,13 @@ class TorchDistributed(Engine):
     traced = False  # the trace is of one process; the ranks' own peaks go to distributed_memory.json
 
     def resume(self, out: Path, model, optimizer, scheduler, scaler, stream) -> TrainerState:
-        found = sharded.complete_checkpoints(Path(out) / "checkpoints") if self.cfg.resume else []
-        if not found:
+        found = sharded.newest_good_checkpoint(Path(out) / "checkpoints") if self.cfg.resume else None
+        if found is None:
             if self.cfg.resume:
-                log.warning("resume=true: no sharded checkpoint in %s; starting from step 0",
+                log.warning("resume=true: no intact sharded checkpoint in %s; starting from step 0",
                             Path(out) / "checkpoints")
             return TrainerState(data=stream.state_dict())
-        trainer = sharded.load_sharded(found[-1], model, optimizer, self.ctx)
+        trainer = sharded.load_sharded(found, model, optimizer, self.ctx)
         if scheduler is not None and trainer["scheduler"] is not None:
             scheduler.load_state_dict(trainer["scheduler"])
         stream.load_state_dict(trainer["data"])
