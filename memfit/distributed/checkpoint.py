@@ -37,6 +37,7 @@ from memfit.checkpoint import verify, write_manifest
 from memfit.distributed.launch import DistContext, gather_to_main
 from memfit.distributed.safe_load import dcp_load, dcp_metadata
 from memfit.errors import MemfitError
+from memfit.models.loading import drop_tied_copies
 
 log = logging.getLogger(__name__)
 PREFIX = "sharded-step-"
@@ -237,21 +238,18 @@ def full_state_dict(model, ctx: DistContext) -> dict[str, torch.Tensor]:
     return state if ctx.is_main else {}
 
 
-def save_final(model, tokenizer, out: Path, ctx: DistContext) -> None:
-    """Every rank calls this; rank 0 writes safetensors (or PEFT adapter files) and the tokenizer."""
+def save_final(model, tokenizer, out: Path, ctx: DistContext) -> dict[str, torch.Tensor] | None:
+    """Every rank calls this; rank 0 writes safetensors (or PEFT adapter files) and the tokenizer.
+    Returns the gathered full state on rank 0 (a LoRA run's frozen base is in it), None elsewhere."""
     state = full_state_dict(model, ctx)
     if not ctx.is_main:
-        return
+        return None
     hf_model = unwrap(model)
     if hasattr(hf_model, "hf_model"):  # pipeline wrapper keeps the meta skeleton of the full model
         hf_model = hf_model.hf_model
-    if getattr(hf_model.config, "tie_word_embeddings", False):  # gathered copies hide the tie from HF: drop
-        tied = getattr(hf_model, "_tied_weights_keys", None) or {}  # the duplicates as a one-process save does
-        for key in (tied if isinstance(tied, dict) else []):
-            if tied[key] in state:
-                state.pop(key, None)
-    hf_model.save_pretrained(out, state_dict=state, safe_serialization=True)
+    hf_model.save_pretrained(out, state_dict=drop_tied_copies(hf_model, dict(state)), safe_serialization=True)
     tokenizer.save_pretrained(out)
+    return state
 
 
 def write_rank_memory(ctx: DistContext, out: Path, report, load_rss_bytes: int) -> list[dict]:

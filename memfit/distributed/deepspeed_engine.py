@@ -43,6 +43,7 @@ from memfit.distributed.checkpoint import TRAINER, newest_good_checkpoint, resto
 from memfit.distributed.safe_load import deepspeed_loads_weights_only
 from memfit.config.deepspeed import json_path, read_json, resolved_config
 from memfit.errors import MemfitError, require
+from memfit.models.loading import drop_tied_copies
 
 log = logging.getLogger(__name__)
 PREFIX = "deepspeed-step-"
@@ -271,12 +272,7 @@ def save_final(engine, tokenizer, out: Path) -> None:
     if state is None:
         return
     hf_model = engine.module
-    if getattr(hf_model.config, "tie_word_embeddings", False):  # gathered copies hide the tie from HF
-        tied = getattr(hf_model, "_tied_weights_keys", None) or {}
-        for key in (tied if isinstance(tied, dict) else []):
-            if tied[key] in state:
-                state.pop(key, None)
-    hf_model.save_pretrained(out, state_dict=state, safe_serialization=True)
+    hf_model.save_pretrained(out, state_dict=drop_tied_copies(hf_model, state), safe_serialization=True)
     tokenizer.save_pretrained(out)
 
 

@@ -95,10 +95,12 @@ class Engine:
     def save(self, out: Path, state: TrainerState, model, optimizer, scheduler, scaler) -> Path:
         return save_checkpoint(out, state, model, optimizer, scheduler, scaler, self.cfg.checkpoints.keep)
 
-    def save_final(self, model, tokenizer, out: Path) -> None:
-        """Weights as safetensors (adapters in PEFT's format), plus the tokenizer."""
+    def save_final(self, model, tokenizer, out: Path) -> dict[str, torch.Tensor] | None:
+        """Weights as safetensors (adapters in PEFT's format), plus the tokenizer. Returns the full
+        state when the engine had to gather it (the model's own parameters hold it otherwise)."""
         model.save_pretrained(out, safe_serialization=True)
         tokenizer.save_pretrained(out)
+        return None
 
     @property
     def target_count(self):
@@ -139,8 +141,8 @@ class TorchDistributed(Engine):
                    "scheduler": scheduler.state_dict() if scheduler is not None else None}
         return sharded.save_sharded(out, state.step, trainer, model, optimizer, self.ctx, self.cfg.checkpoints.keep)
 
-    def save_final(self, model, tokenizer, out: Path) -> None:
-        sharded.save_final(model, tokenizer, out, self.ctx)  # gathered to rank 0, which writes ordinary files
+    def save_final(self, model, tokenizer, out: Path) -> dict[str, torch.Tensor] | None:
+        return sharded.save_final(model, tokenizer, out, self.ctx)  # gathered to rank 0, which writes ordinary files
 
     @property
     def target_count(self):
@@ -179,7 +181,7 @@ class DeepSpeed(TorchDistributed):
         return deepspeed_engine.save_deepspeed(out, state, model, scheduler, self.cfg.checkpoints.keep)
 
     def save_final(self, model, tokenizer, out: Path) -> None:
-        deepspeed_engine.save_final(model, tokenizer, out)
+        deepspeed_engine.save_final(model, tokenizer, out)  # ZeRO-1/2 (LoRA's stages) keep whole parameters
 
     def note_memory(self, report, out: Path) -> None:
         report.notes.append(deepspeed_engine.TRACKER_NOTE)

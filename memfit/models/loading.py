@@ -279,3 +279,13 @@ def hub_unreachable() -> str | None:
 
 def _is_preset(name: str) -> bool:
     return preset_path(name) is not None
+
+
+def drop_tied_copies(hf_model, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Gathered copies hide a weight tie from transformers: drop the duplicates as a one-process save does."""
+    if getattr(hf_model.config, "tie_word_embeddings", False):
+        tied = getattr(hf_model, "_tied_weights_keys", None) or {}
+        for key in (tied if isinstance(tied, dict) else []):
+            if tied[key] in state:
+                state.pop(key, None)
+    return state

@@ -28,7 +28,7 @@ from torch import nn
 
 from memfit.config import ModelConfig, RunConfig, load_config
 from memfit.errors import MemfitError, require
-from memfit.models.loading import build_model, has_weights
+from memfit.models.loading import build_model, drop_tied_copies, has_weights
 from memfit.strategies.quantization import compute_dtype, dequantize_model, quantize_model
 
 log = logging.getLogger(__name__)
@@ -41,23 +41,32 @@ def base_dtype(cfg: RunConfig) -> torch.dtype:
     return _BASE_DTYPE.get(cfg.precision, torch.float32)
 
 
-def save_adapter_outputs(model: nn.Module, cfg: RunConfig, out: Path) -> None:
+def save_adapter_outputs(model: nn.Module, cfg: RunConfig, out: Path,
+                         gathered: dict[str, torch.Tensor] | None = None) -> None:
     """After the adapter is saved: keep a random-init base next to it, and merge if asked.
-    Called at the end of training; it unloads the adapters from `model` (no further use)."""
+    Called at the end of training; it unloads the adapters from `model` (no further use).
+    `gathered`: the PeftModel's full state when the run sharded its parameters (FSDP2)."""
     if cfg.method == "full":
         return
     if not has_weights(cfg.model):
-        save_trained_base(model, cfg, out)
+        save_trained_base(model, cfg, out, gathered)
     if cfg.lora.merge:
         merge_run(out, overwrite=True)
 
 
-def save_trained_base(model: nn.Module, cfg: RunConfig, out: Path) -> Path:
-    """Write the (dequantized) frozen base of a PeftModel to out/base_model in the base dtype."""
+def save_trained_base(model: nn.Module, cfg: RunConfig, out: Path,
+                      gathered: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write the (dequantized) frozen base of a PeftModel to out/base_model in the base dtype; from
+    `gathered` (the PeftModel's full state) when the model's own parameters are shards."""
+    dtype = base_dtype(cfg)
     base = model.unload()  # the original modules back, adapters dropped (they are saved already)
-    dequantize_model(base, base_dtype(cfg)).to(base_dtype(cfg))
     target = out / BASE_DIR
-    base.save_pretrained(target, safe_serialization=True)
+    if gathered is None:
+        dequantize_model(base, dtype).to(dtype)
+        base.save_pretrained(target, safe_serialization=True)
+    else:
+        base.save_pretrained(target, state_dict=drop_tied_copies(base, base_state(gathered, dtype)),
+                             safe_serialization=True)
     adapter_config = out / "adapter_config.json"
     if adapter_config.is_file():
         data = json.loads(adapter_config.read_text())
@@ -65,6 +74,18 @@ def save_trained_base(model: nn.Module, cfg: RunConfig, out: Path) -> Path:
         adapter_config.write_text(json.dumps(data, indent=2) + "\n")
     log.info("base model (random initialisation) saved to %s so the adapter can be reloaded and merged", target)
     return target
+
+
+def base_state(peft_state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The base model's weights, under its own names, from a PeftModel's state dict: PEFT nests the
+    base under `base_model.model.` and each adapted layer under `.base_layer`; adapters are dropped."""
+    state = {}
+    for name, tensor in peft_state.items():
+        if ".lora_" in name:
+            continue
+        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        state[plain] = tensor.to(dtype) if tensor.is_floating_point() else tensor
+    return state
 
 
 def load_base(run_dir: Path, cfg: RunConfig) -> nn.Module:

@@ -210,9 +210,9 @@ def check_finite(step: int, nonfinite_in_row: int, cfg: RunConfig, out: Path) ->
 def finish(engine: Engine, model, tokenizer, out: Path, report: MemoryReport, timeline: list[dict]) -> None:
     """The final model and the memory report; under torchrun every rank calls this (the saves are collective)."""
     engine.note_memory(report, out)  # every rank's peak; what the tracker cannot see inside DeepSpeed
-    engine.save_final(model, tokenizer, out)
-    if engine.is_main:
-        save_adapter_outputs(unwrap(model), engine.cfg, out)  # random-init base next to the adapter; merged if asked
+    gathered = engine.save_final(model, tokenizer, out)
+    if engine.is_main:  # random-init base next to the adapter; merged if asked
+        save_adapter_outputs(unwrap(model), engine.cfg, out, gathered)
         (out / "memory_report.txt").write_text(report.to_text() + "\n")
         (out / "memory_report.json").write_text(report.to_json() + "\n")
         write_timeline(out, timeline, report)  # memory_timeline.json, and its picture when matplotlib is there

@@ -284,3 +284,25 @@ def test_pipeline_checkpoint_resumes(runs, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert _losses(out) == pytest.approx(single.losses, rel=LOSS_TOLERANCE)
     assert set(_saved_optimizer_steps(out).values()) == {STEPS}
+
+
+def test_lora_on_fsdp2_ranks_saves_the_gathered_frozen_base(runs, tmp_path):
+    """A LoRA run of a random-init base on FSDP2 (parameters are shards) writes base_model/ from the
+    gathered state: the same weights a one-process LoRA run writes, and the adapter points at it."""
+    from safetensors.torch import load_file
+
+    from memfit.train.loop import train
+
+    _, config, _, _ = runs
+    out, reference = tmp_path / "fsdp_lora", tmp_path / "single_lora"
+    sharded = _torchrun("-m", "memfit", "train", str(config), f"output_dir={out}", "distributed.sharding=zero3",
+                        "method=lora", "batch.micro_batch=1", "max_steps=1", "--no-progress")
+    assert sharded.returncode == 0, sharded.stderr[-4000:]
+    single = train(load_config(config, [f"output_dir={reference}", "method=lora", "max_steps=1"]), progress=False)
+
+    base, expected = load_file(out / "base_model" / "model.safetensors"), load_file(reference / "base_model" / "model.safetensors")
+    assert sorted(base) == sorted(expected)
+    for name, tensor in expected.items():
+        assert torch.equal(base[name], tensor), name
+    assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str((out / "base_model").resolve())
+    assert _losses(out) == pytest.approx(single.losses, rel=LOSS_TOLERANCE)
