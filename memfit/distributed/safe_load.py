@@ -27,6 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint._traverse import set_element
@@ -108,8 +109,6 @@ class SafePlanner(DefaultLoadPlanner):
 
 def dcp_load(state: dict, folder: Path) -> None:
     """`torch.distributed.checkpoint.load` of `folder` into `state`, through the safe reader and planner."""
-    import torch.distributed.checkpoint as dcp
-
     dcp_metadata(folder)  # read once up front: inside dcp.load a refusal comes back only as text
     try:
         dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafePlanner())
