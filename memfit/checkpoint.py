@@ -247,30 +247,58 @@ def verify(path: Path) -> str | None:
         return f"{MANIFEST} is missing"
     except (ValueError, KeyError, TypeError):
         return f"{MANIFEST} is not valid"
-    for name, expected in files.items():
+    try:
+        entries = [(str(name), int(expected["bytes"]), str(expected["sha256"])) for name, expected in files.items()]
+    except (AttributeError, KeyError, TypeError, ValueError):
+        return f"{MANIFEST} is not valid"
+    for name, expected_bytes, expected_sha256 in entries:
         file = path / name
         if not file.is_file():
             return f"{name} is missing"
         size = file.stat().st_size
-        if size != expected["bytes"]:
-            return f"{name} has {size} bytes, the manifest says {expected['bytes']} (torn write)"
-        if file_sha256(file) != expected["sha256"]:
+        if size != expected_bytes:
+            return f"{name} has {size} bytes, the manifest says {expected_bytes} (torn write)"
+        if file_sha256(file) != expected_sha256:
             return f"{name} does not match its sha256 in the manifest (corrupt)"
     return None
 
 
 def find_good_checkpoint(out: Path) -> Path | None:
-    """The newest checkpoint that passes `verify`, warning about every newer one that does not."""
+    """The newest checkpoint that passes `verify` (see `newest_intact`); None when there is none."""
     root = Path(out) / CHECKPOINTS_DIR
     if not root.is_dir():
         return None
     remove_partial(root)
-    for path in checkpoint_dirs(root):
+    return newest_intact(checkpoint_dirs(root))
+
+
+def newest_intact(newest_first: list[Path]) -> Path | None:
+    """The first folder of `newest_first` that passes `verify`, warning about every one before it.
+    Those damaged newer folders are renamed to `<name>.damaged`: kept for inspection, but out of the
+    way of the resumed run, whose keep-newest pruning would otherwise count them and delete its own
+    new checkpoints. Raises CheckpointError when there are folders and none is intact: starting over
+    would silently throw the run away."""
+    for index, path in enumerate(newest_first):
         problem = verify(path)
         if problem is None:
+            for damaged in newest_first[:index]:
+                log.warning("moved the damaged checkpoint %s to %s", damaged, _set_aside(damaged))
             return path
         log.warning("checkpoint %s is damaged (%s); falling back to the previous one", path, problem)
+    if newest_first:
+        raise CheckpointError(f"resume=true: every checkpoint in {newest_first[0].parent} is damaged "
+                              f"({', '.join(p.name for p in newest_first)}: see the warnings above); move them "
+                              "away and resume to start from step 0, or set overwrite=true")
     return None
+
+
+def _set_aside(path: Path) -> Path:
+    target, n = path.with_name(f"{path.name}.damaged"), 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"{path.name}.damaged-{n}")
+    os.replace(path, target)
+    return target
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler=None, scaler=None) -> TrainerState:
@@ -334,11 +362,6 @@ def resume_state(resume: bool, out: Path, model, optimizer, scheduler, scaler, s
     if not resume:
         return TrainerState(data=stream.state_dict())
     found = find_good_checkpoint(out)
-    damaged = checkpoint_dirs(Path(out) / CHECKPOINTS_DIR) if (Path(out) / CHECKPOINTS_DIR).is_dir() else []
-    if found is None and damaged:  # starting over would silently throw the run away
-        raise CheckpointError(f"resume=true: every checkpoint in {Path(out) / CHECKPOINTS_DIR} is damaged "
-                              f"({', '.join(p.name for p in damaged)}: see the warnings above); move them away "
-                              "and resume to start from step 0, or set overwrite=true")
     if found is None:
         log.warning("resume=true: no usable checkpoint in %s; starting from step 0", Path(out) / CHECKPOINTS_DIR)
         truncate_metrics(out, 0)

@@ -153,6 +153,10 @@ def deepspeed_problems(cfg) -> list[str]:
     if "scheduler" in ds:
         problems.append(f"{where} has a scheduler block, but memfit's lr_schedule / warmup_steps drive the learning "
                         "rate; remove the scheduler block")
+    if json_path(ds, ("checkpoint", "load_universal")):
+        problems.append(f"{where} checkpoint.load_universal is true: DeepSpeed reads universal checkpoints with "
+                        "torch.load(weights_only=False), which runs any code pickled into them, and memfit resumes "
+                        "only from its own checkpoints; remove checkpoint.load_universal")
     if cfg.method == "lora" and json_path(ds, ("zero_optimization", "stage")) == 3:
         problems.append(f"{where} zero_optimization.stage 3 with method: lora is not supported: rank 0 writes the "
                         "frozen base next to the adapter, which ZeRO-3 has partitioned; use stage 1 or 2 for LoRA")

@@ -46,9 +46,9 @@ def config_problems(cfg) -> list[str]:
     if (tp > 1 or pp > 1) and cfg.method != "full":
         problems.append(f"method: {cfg.method} with tensor/pipeline parallel is not supported: use method: full, "
                         "or distributed.sharding: ddp/zero* for adapters")
-    if cfg.method == "qlora" and sharding in FSDP2_STAGES:
-        problems.append("method: qlora with FSDP2 (zero2/zero3) is not supported: 4-bit weights cannot be "
-                        "sharded here; use distributed.sharding: ddp")
+    if cfg.quant.scheme != "none" and sharding in FSDP2_STAGES:
+        problems.append(f"quant: {cfg.quant.scheme} with FSDP2 (zero2/zero3) is not supported: quantized (4-/8-bit) "
+                        "weights cannot be sharded here; use distributed.sharding: ddp")
     if cfg.precision == "fp16-mixed" and (sharding in FSDP2_STAGES or tp > 1 or pp > 1):
         problems.append("precision: fp16-mixed's loss scaler does not handle sharded (DTensor) gradients here: "
                         "use bf16-mixed or bf16-pure")

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from memfit.checkpoint import verify, write_manifest
+from memfit.checkpoint import CheckpointError, newest_intact, write_manifest
 from memfit.distributed.launch import DistContext, gather_to_main
 from memfit.distributed.safe_load import dcp_load, dcp_metadata
 from memfit.errors import MemfitError
@@ -154,19 +154,20 @@ def complete_checkpoints(root: Path, prefix: str = PREFIX) -> list[Path]:
 
 def newest_good_checkpoint(root: Path, prefix: str = PREFIX) -> Path | None:
     """Collective: the newest complete checkpoint under `root` that matches its manifest, the same on
-    every rank (rank 0 reads the files; a damaged one is skipped with a warning naming the fault)."""
+    every rank (rank 0 reads the files and sets damaged newer ones aside, see `newest_intact`; when
+    every one is damaged each rank raises the same CheckpointError)."""
     import torch.distributed as dist
 
-    chosen = None
+    shared = [None, None]  # chosen folder, or the refusal every rank raises
     if dist.get_rank() == 0:
-        for path in reversed(complete_checkpoints(root, prefix)):
-            problem = verify(path)
-            if problem is None:
-                chosen = str(path)
-                break
-            log.warning("checkpoint %s is damaged (%s); falling back to the previous one", path, problem)
-    shared = [chosen]
+        try:
+            chosen = newest_intact(list(reversed(complete_checkpoints(root, prefix))))
+            shared[0] = str(chosen) if chosen is not None else None
+        except CheckpointError as exc:
+            shared[1] = str(exc)
     dist.broadcast_object_list(shared, src=0)
+    if shared[1] is not None:
+        raise CheckpointError(shared[1])
     return Path(shared[0]) if shared[0] is not None else None
 
 
@@ -240,7 +241,12 @@ def full_state_dict(model, ctx: DistContext) -> dict[str, torch.Tensor]:
 
 def save_final(model, tokenizer, out: Path, ctx: DistContext) -> dict[str, torch.Tensor] | None:
     """Every rank calls this; rank 0 writes safetensors (or PEFT adapter files) and the tokenizer.
-    Returns the gathered full state on rank 0 (a LoRA run's frozen base is in it), None elsewhere."""
+    Returns the gathered full state on rank 0 when the parameters are shards (FSDP2: a LoRA run's
+    frozen base exists whole only there); None elsewhere and for replicas (DDP/zero1), whose own
+    modules still hold every weight, quantized ones included, for the caller to read directly."""
+    from torch.distributed.tensor import DTensor
+
+    sharded_params = any(isinstance(p, DTensor) for p in model.parameters())
     state = full_state_dict(model, ctx)
     if not ctx.is_main:
         return None
@@ -249,7 +255,7 @@ def save_final(model, tokenizer, out: Path, ctx: DistContext) -> dict[str, torch
         hf_model = hf_model.hf_model
     hf_model.save_pretrained(out, state_dict=drop_tied_copies(hf_model, dict(state)), safe_serialization=True)
     tokenizer.save_pretrained(out)
-    return state
+    return state if sharded_params else None
 
 
 def write_rank_memory(ctx: DistContext, out: Path, report, load_rss_bytes: int) -> list[dict]:

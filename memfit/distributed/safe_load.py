@@ -5,7 +5,7 @@ code. Three readers would otherwise unpickle freely:
 
   DCP `.metadata`     torch's FileSystemReader reads it with plain `pickle.load`. `SafeReader` reads
                       it with an unpickler that builds only the metadata classes DCP writes (listed
-                      below, found by scanning the checkpoints every memfit engine writes).
+                      below: every class the checkpoints of memfit's engines name).
   DCP byte items      non-tensor values (optimizer hyperparameters) go through
                       `torch.load(weights_only=False)` in DefaultLoadPlanner; `SafePlanner` loads
                       them with weights_only=True. Tensors DCP already loads with weights_only=True.
@@ -56,10 +56,21 @@ DCP_METADATA_GLOBALS = frozenset({
 _TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 
 
+_UNREADABLE = (EOFError, ValueError, KeyError, IndexError)  # what a truncated or corrupt pickle raises
+
+
+class NotAllowed(pickle.UnpicklingError):
+    """A pickle names a global outside the allow-list."""
+
+
 def refused(path, what: str, exc: Exception) -> CheckpointError:
     lines = str(exc).splitlines() or [type(exc).__name__]
     # torch's weights_only error opens with advice to load unsafely; the reason is on a later line
-    reason = next((line.strip() for line in lines if "Unsupported global" in line), lines[0])
+    reason = next((line.strip() for line in lines if "Unsupported global" in line), None)
+    if reason is None and not isinstance(exc, NotAllowed):  # not a refused global: broken bytes
+        return CheckpointError(f"{path}: {what} is unreadable ({type(exc).__name__}: {lines[0]}): the file is "
+                               "truncated, corrupt or tampered with")
+    reason = reason or lines[0]
     return CheckpointError(f"{path}: refusing to load {what}: {reason}. A checkpoint holds tensors and "
                            "plain numbers only; this file may have been tampered with")
 
@@ -72,7 +83,7 @@ class MetadataUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         if module == "torch" and isinstance(getattr(torch, name, None), _TORCH_CONSTANTS):
             return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not one of the DCP metadata classes")
+        raise NotAllowed(f"{module}.{name} is not one of the DCP metadata classes")
 
 
 class SafeReader(FileSystemReader):
@@ -83,7 +94,7 @@ class SafeReader(FileSystemReader):
         with self.fs.create_stream(path, "rb") as stream:
             try:
                 metadata = MetadataUnpickler(stream).load()
-            except (pickle.UnpicklingError, AttributeError, EOFError, ValueError, TypeError) as exc:
+            except (pickle.UnpicklingError, AttributeError, TypeError, *_UNREADABLE) as exc:
                 raise refused(path, "its metadata", exc) from None
         if not isinstance(metadata, Metadata):
             raise CheckpointError(f"{path}: holds a {type(metadata).__name__}, not DCP metadata")
@@ -96,11 +107,15 @@ class SafeReader(FileSystemReader):
 class SafePlanner(DefaultLoadPlanner):
     """DefaultLoadPlanner that loads non-tensor items with weights_only=True."""
 
+    def __init__(self, folder: Path):
+        super().__init__()
+        self.folder = folder  # named in errors: DCP's items carry only their state-dict key
+
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as exc:
-            raise refused(read_item.dest_index.fqn, "a non-tensor item", exc) from None
+        except (pickle.UnpicklingError, *_UNREADABLE) as exc:
+            raise refused(self.folder, f"its item {read_item.dest_index.fqn}", exc) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
         else:
@@ -111,7 +126,7 @@ def dcp_load(state: dict, folder: Path) -> None:
     """`torch.distributed.checkpoint.load` of `folder` into `state`, through the safe reader and planner."""
     dcp_metadata(folder)  # read once up front: inside dcp.load a refusal comes back only as text
     try:
-        dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafePlanner())
+        dcp.load(state, storage_reader=SafeReader(str(folder)), planner=SafePlanner(folder))
     except CheckpointException as exc:  # DCP gathers every rank's failure; ours says what was refused
         ours = [error for error, _ in exc.failures.values() if isinstance(error, CheckpointError)]
         if ours:
@@ -124,12 +139,13 @@ def dcp_metadata(folder: Path) -> Metadata:
 
 
 def deepspeed_globals() -> list:
-    """The classes DeepSpeed's ZeRO stage 1-3 checkpoints pickle besides tensors and containers."""
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    """The classes DeepSpeed's ZeRO stage 1-3 checkpoints pickle besides tensors and containers
+    (the loss scaler is a LossScaler in bf16/fp32 runs, a DynamicLossScaler in fp16 ones)."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
 
-    return [LossScaler, ZeroStageEnum, fragment_address]
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
 
 
 @contextmanager
@@ -144,7 +160,7 @@ def deepspeed_loads_weights_only(engine):
             with torch.serialization.safe_globals(allowed):
                 return torch.load(path, map_location=map_location, weights_only=True)
         except pickle.UnpicklingError as exc:
-            raise refused(path, "it", exc) from None
+            raise refused(path, "this file", exc) from None
 
     checkpoint_engine.load = load  # an instance attribute shadows the class's method
     try:

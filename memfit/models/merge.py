@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import shutil
 from pathlib import Path
 
@@ -35,6 +36,8 @@ log = logging.getLogger(__name__)
 BASE_DIR = "base_model"
 MERGED_DIR = "merged"
 _BASE_DTYPE = {"bf16-pure": torch.bfloat16}  # every other precision keeps fp32 weights
+_TRAINED_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")
+_QUANT_STATE = re.compile(r"\.(absmax|quant_map|quant_state|nested_absmax|nested_quant_map|SCB|weight_format)\b")
 
 
 def base_dtype(cfg: RunConfig) -> torch.dtype:
@@ -45,7 +48,7 @@ def save_adapter_outputs(model: nn.Module, cfg: RunConfig, out: Path,
                          gathered: dict[str, torch.Tensor] | None = None) -> None:
     """After the adapter is saved: keep a random-init base next to it, and merge if asked.
     Called at the end of training; it unloads the adapters from `model` (no further use).
-    `gathered`: the PeftModel's full state when the run sharded its parameters (FSDP2)."""
+    `gathered`: the PeftModel's full state when the run sharded its parameters (FSDP2), else None."""
     if cfg.method == "full":
         return
     if not has_weights(cfg.model):
@@ -77,13 +80,23 @@ def save_trained_base(model: nn.Module, cfg: RunConfig, out: Path,
 
 
 def base_state(peft_state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The base model's weights, under its own names, from a PeftModel's state dict: PEFT nests the
-    base under `base_model.model.` and each adapted layer under `.base_layer`; adapters are dropped."""
+    """The base model's weights, under its own names, from a PeftModel's state dict, as PEFT's
+    `unload()` leaves them: PEFT nests the base under `base_model.model.` and each adapted layer
+    under `.base_layer`; a fully trained module (modules_to_save) keeps its trained copy under
+    `.modules_to_save.<adapter>.` and the untouched one under `.original_module.`, and unload keeps
+    the trained copy. Adapters are dropped. Only for unquantized bases: packed 4-/8-bit weights
+    must be dequantized through their modules, which the gathered state no longer has."""
+    quantized = [name for name, tensor in peft_state.items()
+                 if _QUANT_STATE.search(name) or tensor.dtype in (torch.uint8, torch.int8)]
+    if quantized:
+        raise MemfitError(f"the gathered model state holds quantized weights ({', '.join(quantized[:3])}"
+                          f"{', ...' if len(quantized) > 3 else ''}): the base must be dequantized "
+                          "through its own modules, not written from a gathered state")
     state = {}
     for name, tensor in peft_state.items():
-        if ".lora_" in name:
+        if ".lora_" in name or ".original_module." in name:
             continue
-        plain = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        plain = _TRAINED_COPY.sub(".", name.removeprefix("base_model.model.").replace(".base_layer.", "."))
         state[plain] = tensor.to(dtype) if tensor.is_floating_point() else tensor
     return state
 

@@ -119,11 +119,12 @@ def test_fields_deepspeed_replaces_are_refused_all_at_once(tmp_path):
 
 def test_scheduler_unknown_auto_and_optimizer_clashes_are_refused(tmp_path):
     ds = {"scheduler": {"type": "WarmupLR"}, "zero_optimization": {"stage": 2, "sub_group_size": "auto"},
-          "optimizer": {"type": "AdamW"}}
+          "optimizer": {"type": "AdamW"}, "checkpoint": {"load_universal": True}}
     with pytest.raises(ConfigError) as info:
         load_config(None, [f"distributed.deepspeed={_json(tmp_path, ds)}", "optim.name=lion"])
     text = "\n".join(info.value.problems)
     assert "scheduler block" in text
+    assert "checkpoint.load_universal is true" in text  # universal checkpoints are unpickled without weights_only
     assert 'zero_optimization.sub_group_size is "auto"' in text
     assert "optimizer block and optim.name: lion" in text
     with pytest.raises(ConfigError, match="ZeRO partitions plain torch optimizers only"):

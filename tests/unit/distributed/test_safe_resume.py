@@ -70,15 +70,23 @@ def test_crafted_non_tensor_item_runs_nothing(tmp_path):
     assert marker.exists()
     marker.unlink()
 
-    with pytest.raises(CheckpointError, match="optim.hook: refusing to load a non-tensor item: .*Unsupported global.*open"):
+    with pytest.raises(CheckpointError, match=r"state: refusing to load its item optim\.hook: .*Unsupported global.*open"):
         dcp_load({"optim": {"hook": None}}, folder)
     assert not marker.exists()
+
+
+def test_truncated_dcp_metadata_is_reported_as_unreadable(tmp_path):
+    dcp.save(_state(), checkpoint_id=str(tmp_path))
+    metadata = tmp_path / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[: 40])
+    with pytest.raises(CheckpointError, match=r"\.metadata: its metadata is unreadable \(\w+Error.*truncated, corrupt"):
+        SafeReader(str(tmp_path)).read_metadata()
 
 
 def test_deepspeed_checkpoint_reads_are_weights_only(tmp_path):
     deepspeed = pytest.importorskip("deepspeed")
     from deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine import TorchCheckpointEngine
-    from deepspeed.runtime.fp16.loss_scaler import LossScaler
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
 
     class Engine:  # the one attribute deepspeed_loads_weights_only uses
@@ -86,18 +94,21 @@ def test_deepspeed_checkpoint_reads_are_weights_only(tmp_path):
 
     marker, crafted, honest = tmp_path / "pwned", tmp_path / "crafted.pt", tmp_path / "optim_states.pt"
     torch.save({"optimizer_state_dict": {"hook": CreatesFile(marker)}}, crafted)
-    torch.save({"loss_scaler": LossScaler(1.0), "zero_stage": ZeroStageEnum.weights,
+    fp16_scaler = DynamicLossScaler(init_scale=2.0**16, scale_window=1000, min_scale=1.0, delayed_shift=2,
+                                    consecutive_hysteresis=False)  # what an fp16 run saves
+    torch.save({"loss_scaler": LossScaler(1.0), "fp16_loss_scaler": fp16_scaler, "zero_stage": ZeroStageEnum.weights,
                 "ds_version": deepspeed.__version__, "w": torch.ones(3)}, honest)
     Engine.checkpoint_engine.load(str(crafted))  # DeepSpeed's own read runs the payload
     assert marker.exists()
     marker.unlink()
 
     with deepspeed_loads_weights_only(Engine):
-        with pytest.raises(CheckpointError, match="crafted.pt: refusing to load it"):
+        with pytest.raises(CheckpointError, match="crafted.pt: refusing to load this file: .*Unsupported global"):
             Engine.checkpoint_engine.load(str(crafted))
         state = Engine.checkpoint_engine.load(str(honest), map_location="cpu")
     assert not marker.exists()
     assert state["zero_stage"] is ZeroStageEnum.weights and state["loss_scaler"].cur_scale == 1.0
+    assert state["fp16_loss_scaler"].cur_scale == 2.0**16 and state["fp16_loss_scaler"].dtype == torch.half
     assert "load" not in vars(Engine.checkpoint_engine)  # the engine's own method is back afterwards
 
 
@@ -133,5 +144,7 @@ def test_resume_skips_a_checkpoint_that_fails_its_manifest(tmp_path, one_rank, c
     with caplog.at_level(logging.WARNING):
         assert newest_good_checkpoint(root) == root / "sharded-step-00000001"
     assert "sharded-step-00000002 is damaged (state/.metadata has" in caplog.text
+    assert (root / "sharded-step-00000002.damaged" / TRAINER).is_file()  # set aside, not deleted
     (root / "sharded-step-00000001" / TRAINER).write_text('{"step": 9}')
-    assert newest_good_checkpoint(root) is None
+    with pytest.raises(CheckpointError, match="every checkpoint in .* is damaged \\(sharded-step-00000001"):
+        newest_good_checkpoint(root)

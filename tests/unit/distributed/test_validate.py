@@ -31,6 +31,8 @@ def test_config_combinations_are_all_listed():
     (["distributed.tensor_parallel=2", "method=lora"], "method: lora"),
     (["distributed.pipeline_parallel=2"], "optim.max_grad_norm: null"),
     (["distributed.offload=all"], "needs distributed.sharding: zero2 or zero3"),
+    (["distributed.sharding=zero2", "method=lora", "quant=int8"], "quant: int8 with FSDP2"),
+    (["distributed.sharding=zero3", "method=qlora"], "quant: nf4-dq with FSDP2"),
 ])
 def test_each_refused_combination_names_its_fields(overrides, expected):
     with pytest.raises(ConfigError, match=expected):

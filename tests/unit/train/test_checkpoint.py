@@ -114,6 +114,28 @@ def test_damaged_newest_checkpoint_falls_back_to_previous_with_a_message(tmp_pat
         found = find_good_checkpoint(tmp_path)
     assert found.name == "step-00000002"
     assert "step-00000004 is damaged" in caplog.text and problem in caplog.text
+    assert (tmp_path / "checkpoints" / "step-00000004.damaged").is_dir()  # kept for inspection, out of the way
+
+
+def test_a_resumed_run_never_prunes_its_new_checkpoint_for_a_damaged_newer_one(tmp_path):
+    """Resumed from step 2 past a damaged step 6, the run's next save (step 4, keep=1) must survive."""
+    model, optimizer, _ = _trained()
+    _save(tmp_path, 2, model, optimizer, keep=3)
+    damaged = _save(tmp_path, 6, model, optimizer, keep=3)
+    (damaged / "model.safetensors").write_bytes(b"torn")
+    assert find_good_checkpoint(tmp_path).name == "step-00000002"
+    _save(tmp_path, 4, model, optimizer, keep=1)
+    assert find_good_checkpoint(tmp_path).name == "step-00000004"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step-00000004", "step-00000006.damaged"]
+
+
+@pytest.mark.parametrize("files", [{"model.safetensors": 7}, {"model.safetensors": {"bytes": "many"}}, ["x"]])
+def test_a_malformed_manifest_marks_the_checkpoint_damaged(tmp_path, files):
+    model, optimizer, _ = _trained()
+    folder = _save(tmp_path, 2, model, optimizer)
+    manifest = json.loads((folder / "manifest.json").read_text())
+    (folder / "manifest.json").write_text(json.dumps({**manifest, "files": files}))
+    assert verify(folder) == "manifest.json is not valid"
 
 
 def test_leftover_temporary_folder_is_ignored_and_removed(tmp_path):
