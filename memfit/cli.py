@@ -68,6 +68,7 @@ def _plan_options() -> dict:
         "packing": ("data.packing", dict(choices=["true", "false"])),
         "lora-rank": ("lora.rank", dict(type=int)), "lora-alpha": ("lora.alpha", dict(type=float)),
         "lora-targets": ("lora.targets", dict(help="comma-separated module names, or all-linear")),
+        "lora-dropout": ("lora.dropout", dict(type=float, help="dropout on each adapter's input (default 0)")),
         "quant": ("quant.scheme", choices(Quant)), "sharding": ("distributed.sharding", choices(Sharding)),
         "offload": ("distributed.offload", choices(Offload)),
         "tensor-parallel": ("distributed.tensor_parallel", dict(type=int, help="tensor-parallel degree K (alias --tp)")),

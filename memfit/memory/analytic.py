@@ -31,6 +31,8 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
         model_config, _ = load_model_config(cfg.model)
     if not isinstance(cfg.batch.micro_batch, int):
         raise MemfitError("micro_batch: auto is resolved by the planner; the analytic estimate needs a number")
+    if cfg.device != device:  # terms that differ by device (the dropout mask) read cfg.device
+        cfg = cfg.model_copy(update={"device": device})
     shape = model_shape(model_config)
     moments = beyond_basics_terms(peak_candidates(shape, cfg), shape, cfg, device)
     candidates = {k: shard_model_states(v, cfg, gpus, k) for k, v in moments.items()}

@@ -65,8 +65,8 @@ def weights_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     if quant != "none":
         block = shape.block_linear_params
         rest = shape.total_params - block
-        rest_size = 4 if cfg.precision == "fp32" else 2  # non-quantized weights in the compute dtype
-        base = math.ceil(block * quantized_bytes_per_param(quant)) + rest * rest_size
+        # norms, embeddings, head: bf16 in a bf16-pure run, else fp32 (adapters.prepare_quantized_for_training)
+        base = math.ceil(block * quantized_bytes_per_param(quant)) + rest * size
     else:
         base = shape.total_params * size
     return base + lora_params(shape, cfg) * 4
@@ -123,16 +123,66 @@ def _layer_activation_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> floa
         norm_inner = (p * h if full else 0) + 8
     total += shape.norms_per_layer * norm_inner
     # linear inputs: the attention-block input (q, k, v) and the MLP input (gate, up / fc1)
-    attn_in = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
     leaves = linear_leaf_names(shape)
-    n_attn = trains(*[n for n in attn_in if n in leaves])
-    total += n_attn * c * h if mixed else (n_attn > 0) * p * h
+    n_attn = trains(*[n for n in _ATTENTION_INPUT_LINEARS if n in leaves])
+    if full:
+        total += n_attn * c * h if mixed else (n_attn > 0) * p * h
+    else:  # adapters, and an 8-bit base's own copy of its input
+        keeps = _base_keeps_input(cfg)
+        total += _adapter_inputs_bytes_per_token(n_attn, h, cfg, kept_elsewhere=keeps) + keeps * p * h
     # attention: q (after RoPE), k, v, the output (also the o_proj input), log-sum-exp (fp32 per head)
     total += c * (2 * q + 2 * kv) + 4 * shape.heads
+    for width in _attention_output_adapter_widths(shape, cfg):  # its input is the attention output
+        total += _adapter_inputs_bytes_per_token(1, width, cfg, kept_elsewhere=True)
     total += _mlp_saved_bytes_per_token(shape, cfg)
-    # LoRA: each adapter keeps its rank-r intermediate (the input is already counted above)
-    total += len(adapted) * cfg.lora.rank * 4 if not full else 0
+    # LoRA: each adapter keeps its rank-r intermediate (lora_B's input)
+    total += len(adapted) * cfg.lora.rank * _adapter_input_size(cfg) if not full else 0
     return total
+
+
+_ATTENTION_INPUT_LINEARS = ("q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value", "c_attn", "Wqkv")
+_MLP_INPUT_LINEARS = ("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "dense_h_to_4h", "w1", "w3")
+
+
+def _attention_output_adapter_widths(shape: ModelShape, cfg: RunConfig) -> list[int]:
+    """Input widths of the adapted attention output projections of one layer (o_proj, dense, attn.c_proj)."""
+    first = shape.linear[0][0].rsplit(".", 2)[0] if shape.linear else ""  # the first block's prefix
+    return [i for name, i, _ in adapted_linears(shape, cfg)
+            if name.startswith(first + ".") and ("attn" in name or "attention" in name)
+            and name.rsplit(".", 1)[-1] not in _ATTENTION_INPUT_LINEARS]
+
+
+def _adapter_input_size(cfg: RunConfig) -> int:
+    """Bytes per element of what a LoRA adapter computes with: peft casts each adapter's input to the
+    adapters' fp32 dtype (`_cast_input_dtype`); under autocast lora_A then recasts it to 16 bits."""
+    mixed = _compute_size(cfg) != _weight_size(cfg)
+    return _compute_size(cfg) if mixed else 4
+
+
+def _adapter_inputs_bytes_per_token(n: int, width: int, cfg: RunConfig, kept_elsewhere: bool = False) -> float:
+    """What `n` LoRA adapters reading one input of `width` features keep of it for backward, per token.
+
+    Each adapter's lora_A saves the input it computed with: its own 16-bit recast under autocast, its own
+    fp32 cast of a bf16 model's input, or, in an fp32 model, the input itself (shared, and nothing new if
+    another op already keeps it: `kept_elsewhere`). With lora.dropout > 0 each adapter has its own
+    dropout, so lora_A saves that adapter's dropout output instead, and the dropout keeps its mask:
+    1 B per element in CUDA's fused kernel, 4 B (the fp32 input's dtype) in the unfused CPU kernel.
+    The frozen base linear keeps nothing of its input."""
+    if n == 0:
+        return 0
+    dropout = cfg.lora.dropout > 0
+    shared = cfg.precision == "fp32" and not dropout
+    copies = (0 if kept_elsewhere else 1) if shared else n
+    mask = n * _dropout_mask_size(cfg) if dropout else 0
+    return width * (copies * _adapter_input_size(cfg) + mask)
+
+
+def _dropout_mask_size(cfg: RunConfig) -> int:
+    return 4 if cfg.device == "cpu" else 1
+
+
+def _adapted_leaves(shape: ModelShape, cfg: RunConfig) -> set[str]:
+    return {name.rsplit(".", 1)[-1] for name, _, _ in adapted_linears(shape, cfg)}
 
 
 def _mlp_input_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> int:
@@ -141,8 +191,10 @@ def _mlp_input_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> int:
     p, c, full = _weight_size(cfg), _compute_size(cfg), cfg.method == "full"
     adapted = {name.rsplit(".", 1)[-1] for name, _, _ in adapted_linears(shape, cfg)}
     leaves = linear_leaf_names(shape)
-    mlp_in = ("gate_proj", "up_proj", "gate_up_proj", "fc1", "c_fc", "dense_h_to_4h", "w1", "w3")
-    n_mlp = sum(1 for n in mlp_in if n in leaves and (full or n in adapted))
+    n_mlp = sum(1 for n in _MLP_INPUT_LINEARS if n in leaves and (full or n in adapted))
+    if not full:
+        keeps = _base_keeps_input(cfg)
+        return _adapter_inputs_bytes_per_token(n_mlp, shape.hidden, cfg, kept_elsewhere=keeps) + keeps * p * shape.hidden
     return n_mlp * c * shape.hidden if c != p else (n_mlp > 0) * p * shape.hidden
 
 
@@ -150,9 +202,32 @@ def _mlp_saved_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> int:
     """What one layer's MLP saves for backward, per token: its input and its intermediates: gated = up,
     gate, act(gate) and their product (the down_proj input, kept only if it trains); plain = fc1
     output and the activation output."""
-    i, c = shape.intermediate * shape.experts_per_token, _compute_size(cfg)
-    down = _down_input_saved(shape, cfg)
-    return _mlp_input_bytes_per_token(shape, cfg) + c * i * ((3 if shape.family == "llama" else 1) + (1 if down else 0))
+    i, a = shape.intermediate * shape.experts_per_token, _mlp_activation_size(cfg)
+    if cfg.method == "full":
+        down = a * i
+    else:
+        keeps = _base_keeps_input(cfg)
+        down = _adapter_inputs_bytes_per_token(int(_down_input_saved(shape, cfg)), i, cfg, kept_elsewhere=keeps)
+        down += keeps * a * i
+    return _mlp_input_bytes_per_token(shape, cfg) + a * i * (3 if shape.family == "llama" else 1) + down
+
+
+def _mlp_activation_size(cfg: RunConfig) -> int:
+    """Bytes per element of the MLP's intermediates: the matmuls' 16-bit outputs under autocast, except
+    that bitsandbytes' quantized matmuls return their input's dtype (fp32 in a mixed-precision run):
+    its 4-bit op everywhere, its 8-bit op on CUDA (on CPU the 8-bit training path is a plain F.linear,
+    which autocast reaches)."""
+    quant = _quant_mode(cfg)
+    if quant == "none" or (quant == "int8" and cfg.device == "cpu"):
+        return _compute_size(cfg)
+    return _weight_size(cfg)
+
+
+def _base_keeps_input(cfg: RunConfig) -> bool:
+    """bitsandbytes' 8-bit matmul keeps its input for the backward (`ctx.tensors`/`ctx.A` in
+    MatMul8bitLt on CUDA, MatMul8bitFp on CPU, bitsandbytes 0.50); its 4-bit matmul keeps only the
+    packed weight."""
+    return _quant_mode(cfg) == "int8"
 
 
 def _attention_scores_bytes(shape: ModelShape, cfg: RunConfig) -> int:
@@ -214,8 +289,13 @@ def activation_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     p, c, full = _weight_size(cfg), _compute_size(cfg), cfg.method == "full"
     ckpt = _checkpointed_layers(shape, cfg)
     layers = (shape.layers - ckpt) * _layer_bytes(shape, cfg) + ckpt * tokens * shape.hidden * p  # ckpt: input only
-    if not full:  # the first layer's input is the frozen embedding's output: no gradient, not kept
-        layers -= tokens * shape.hidden * p if shape.layers > ckpt else 0
+    if not full and shape.layers > ckpt:
+        # the first layer's input is the frozen embedding's output: no gradient, so neither it nor the
+        # dropout masks of the adapters reading its norm are kept
+        layers -= tokens * shape.hidden * p
+        n_attn = sum(1 for n in _ATTENTION_INPUT_LINEARS if n in _adapted_leaves(shape, cfg))
+        masks = n_attn * _dropout_mask_size(cfg) if cfg.lora.dropout > 0 else 0
+        layers -= tokens * shape.hidden * (masks + _base_keeps_input(cfg) * p)
     rope = 2 * cfg.data.seq_len * shape.head_dim * p if shape.family == "llama" else 0
     batch = 4 * tokens * 8  # input_ids, attention_mask, labels and the shifted labels, int64
     return int(layers + _head_bytes(shape, cfg) + _loss_bytes(shape, cfg) + rope + batch
@@ -259,9 +339,9 @@ def _mlp_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
     own backward has freed it."""
     tokens = cfg.batch.micro_batch * cfg.data.seq_len
     width = shape.intermediate * shape.experts_per_token
-    c = _compute_size(cfg)
-    intermediates = width * c * (3 if shape.family == "llama" else 2)
-    freed = width * c if _down_input_saved(shape, cfg) else 0
+    a = _mlp_activation_size(cfg)
+    intermediates = width * a * (3 if shape.family == "llama" else 2)
+    freed = width * a if _down_input_saved(shape, cfg) else 0
     return int(tokens * (intermediates - freed))
 
 

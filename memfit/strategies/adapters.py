@@ -2,8 +2,9 @@
 (4-bit base weights + LoRA). `quant: int8` with method lora gives 8-bit base weights + LoRA.
 
 The order is the one QLoRA uses: quantize the base Linear layers (skipped when the model was
-loaded already quantized), prepare the quantized model for training (everything frozen, the
-remaining 16-bit parameters — norms, embeddings, head — upcast to fp32), then add the adapters.
+loaded already quantized), prepare the quantized model for training (everything frozen; under a
+mixed or fp32 precision the remaining 16-bit parameters — norms, embeddings, head — upcast to fp32,
+under bf16-pure they stay bf16), then add the adapters.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def apply_method(model: PreTrainedModel, cfg: RunConfig, device: torch.device | 
     peft = require("peft", f"method: {cfg.method}")
     if cfg.quant.scheme != "none":
         quantize_model(model, cfg.quant.scheme, cfg.quant.backend, compute_dtype(cfg))
-        prepare_quantized_for_training(model)
+        prepare_quantized_for_training(model, upcast=cfg.precision != "bf16-pure")
     saved = modules_to_save(model, cfg)
     # Tied input/output embeddings stay tied when one of them is trained in full.
     tied = bool(saved) and bool(getattr(model.config, "tie_word_embeddings", False))
@@ -48,16 +49,20 @@ def apply_method(model: PreTrainedModel, cfg: RunConfig, device: torch.device | 
         raise MemfitError(f"lora.targets {cfg.lora.targets!r}: {str(exc).splitlines()[0]}") from None
 
 
-def prepare_quantized_for_training(model: nn.Module) -> nn.Module:
+def prepare_quantized_for_training(model: nn.Module, upcast: bool = True) -> nn.Module:
     """What peft.prepare_model_for_kbit_training does, minus its checkpointing switch (memfit's own
     `checkpointing` setting already chose which layers to checkpoint, non-reentrant, so no input
     gradients are needed) and minus its fp32 cast of torchao NF4 weights (that would dequantize them):
-    freeze everything; keep 16-bit non-quantized parameters (norms, embeddings, lm_head) in fp32 so
-    their small values and the logits do not lose precision."""
+    freeze everything; with `upcast`, keep 16-bit non-quantized parameters (norms, embeddings,
+    lm_head) in fp32 so their small values and the logits do not lose precision.
+
+    bf16-pure runs pass upcast=False: fp32 norms and embeddings would turn the residual stream and,
+    through bitsandbytes' cast of each output back to its input's dtype, every activation into fp32,
+    twice the activation memory of the same run without quantization (measured by the tracker)."""
     quantized = {id(m.weight) for m in model.modules() if is_quantized_linear(m)}
     for param in model.parameters():
         param.requires_grad_(False)
-        if id(param) not in quantized and param.dtype in (torch.float16, torch.bfloat16):
+        if upcast and id(param) not in quantized and param.dtype in (torch.float16, torch.bfloat16):
             param.data = param.data.float()
     return model
 

@@ -101,10 +101,10 @@ def test_traced_engine_confirms_the_analytic_estimate():
     assert abs(analytic - traced) / traced < 0.10, (analytic, traced)
 
 
-def test_the_written_128k_plan_is_estimated_again_with_the_same_numbers(tmp_path, capsys):
+def test_the_written_96k_plan_is_estimated_again_with_the_same_numbers(tmp_path, capsys):
     path = tmp_path / "long.yaml"
     args = ["plan", "meta-llama/Llama-3.1-8B", "--budget", "24GiB", "--method", "qlora", "--lora-rank", "32",
-            "--seq-len", "131072", "--micro-batch", "1", "--host-ram", "128GiB", "--json"]
+            "--seq-len", "98304", "--micro-batch", "1", "--host-ram", "128GiB", "--json"]
     assert main([*args, "--write-config", str(path)]) == 0
     chosen = json.loads(capsys.readouterr().out)["chosen"]
     assert main(["plan", "meta-llama/Llama-3.1-8B", "--config", str(path), "--json"]) == 0

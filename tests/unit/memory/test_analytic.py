@@ -60,6 +60,13 @@ MATRIX = [  # precisions x optimizers x checkpointing x attention x method x bat
     "batch.micro_batch=4 data.seq_len=128 method=lora",
     "batch.micro_batch=4 data.seq_len=128 method=lora lora.targets=all-linear precision=bf16-mixed",
     "batch.micro_batch=2 data.seq_len=128 batch.grad_accum=2 GQA precision=bf16-mixed",
+    # adapters: peft's per-adapter fp32 casts, dropout masks, and what quantized bases keep or return
+    "batch.micro_batch=4 data.seq_len=128 method=lora precision=bf16-pure lora.dropout=0.1",
+    "batch.micro_batch=4 data.seq_len=128 method=lora precision=bf16-pure lora.targets=all-linear",
+    "batch.micro_batch=4 data.seq_len=128 method=lora precision=fp32 lora.targets=all-linear lora.dropout=0.1",
+    "batch.micro_batch=4 data.seq_len=128 method=qlora quant.scheme=nf4 precision=bf16-pure lora.dropout=0.05",
+    "batch.micro_batch=4 data.seq_len=128 method=qlora precision=bf16-mixed lora.targets=all-linear",
+    "batch.micro_batch=4 data.seq_len=128 method=lora quant.scheme=int8 precision=bf16-mixed lora.dropout=0.1",
 ]
 
 
@@ -133,10 +140,13 @@ def test_qlora_weights_use_4_bit_blocks():
     assert terms.quantized_bytes_per_param("nf4") == pytest.approx(0.5625)
     assert terms.quantized_bytes_per_param("nf4-dq") == pytest.approx(0.5 + 1 / 64 + 4 / 16384)
     shape = model_shape(load_preset_config("meta-llama/Llama-2-7b-hf"))
-    qlora = load_config(None, ["method=qlora", "precision=bf16-mixed", "lora.rank=8"])
+    qlora = load_config(None, ["method=qlora", "precision=bf16-pure", "lora.rank=8"])
     weights = terms.weights_bytes(shape, qlora)
     # 6.48 B block-linear parameters at ~0.52 B + 0.26 B embeddings/head at 2 B + adapters at 4 B
     assert 3.8 * GB < weights < 4.0 * GB
+    # a mixed-precision run keeps the embeddings/head (and norms) as fp32 master weights: 2 B more each
+    mixed = terms.weights_bytes(shape, qlora.updated({"precision": "bf16-mixed"}))
+    assert mixed - weights == pytest.approx((shape.total_params - shape.block_linear_params) * 2)
 
 
 def test_checkpointing_and_lower_precision_lower_the_estimate():

@@ -94,27 +94,33 @@ def test_longest_sequence_is_the_longest_that_fits():
     assert found.max_micro_batch >= 1
 
 
-def test_llama8b_full_128k_window_fits_24gib_with_every_long_context_saver():
-    long = _user("method=qlora", "lora.rank=32", "data.seq_len=131072", "batch.micro_batch=1")
+def test_llama8b_96k_context_fits_24gib_with_every_long_context_saver():
+    long = _user("method=qlora", "lora.rank=32", "data.seq_len=98304", "batch.micro_batch=1")
     result = plan(LLAMA8, long, 24 * GiB, host_ram=128 * GiB, max_seq_len=True)
     found, chosen = result.search, result.recommendation
     assert chosen is not None and chosen.device_bytes + found.margin_bytes <= 24 * GiB
     memory = chosen.cfg.memory
     assert memory.checkpointing == "full" and memory.tiled_mlp and memory.activation_offload and memory.chunked_loss
-    # the saved layer inputs wait in host RAM: 32 layers x 131,072 tokens x 4,096 x 2 B = 32 GiB at least
-    assert chosen.estimate.cpu_ram_bytes >= 32 * 131072 * 4096 * 2
-    assert found.max_seq_len == 131072  # the model's whole window
-    # what each saver buys: growing lengths, the last rung the whole window, no rung past the budget
+    # the saved layer inputs wait in host RAM: 32 layers x 98,304 tokens x 4,096 x 2 B = 24 GiB at least
+    assert chosen.estimate.cpu_ram_bytes >= 32 * 98304 * 4096 * 2
+    # past public QLoRA tools' ~78k on 24 GB, short of the model's whole 128k window (the recomputed
+    # layer's per-adapter fp32 input casts alone are 4 GiB there)
+    assert 80_000 < found.max_seq_len < 131072
+    # what each saver buys: growing lengths, the last rung this plan's longest, no rung past the budget
     ladder = found.seq_len_ladder
     assert [r.added for r in ladder][:2] == ["none of them", "+ checkpointing full"]
     lengths = [r.max_seq_len for r in ladder]
-    assert lengths == sorted(lengths) and lengths[0] < 8192 and lengths[-1] == 131072
+    assert lengths == sorted(lengths) and lengths[0] < 8192 and 98304 <= lengths[-1] < 131072
     assert all(r.best.device_bytes + found.margin_bytes <= 24 * GiB for r in ladder)
     tiled = next(i for i, r in enumerate(ladder) if r.added == "+ tiled mlp")
     assert lengths[tiled] > lengths[tiled - 1]  # the tiled MLP lengthens the window by itself
-    # without the host RAM for the offloaded inputs, the planner refuses the 128k plan
+    # without the host RAM for the offloaded inputs, the planner refuses the long plan
     short = plan(LLAMA8, long, 24 * GiB, host_ram=16 * GiB).search
     assert short.chosen is None and "host RAM" in next(f for f in short.families if f.name == "QLoRA").reason
+    # the whole window misses, and the family says by how much and how long it can go
+    window = plan(LLAMA8, long.updated({"data.seq_len": 131072}), 24 * GiB, host_ram=128 * GiB).search
+    qlora = next(f for f in window.families if f.name == "QLoRA")
+    assert window.chosen is None and not qlora.fits and "misses the budget by" in qlora.reason
 
 
 def test_every_family_reports_its_longest_sequence_even_when_it_misses_the_requested_one():
@@ -250,6 +256,6 @@ def test_the_search_prefetches_offloaded_inputs_where_the_extra_layer_input_fits
         found = plan(LLAMA8, _user("method=qlora", "lora.rank=32", f"data.seq_len={seq_len}", "batch.micro_batch=1"),
                      24 * GiB, host_ram=128 * GiB).search
         return found.chosen.cfg.memory
-    roomy, full = chosen(65536), chosen(131072)
+    roomy, full = chosen(65536), chosen(106496)
     assert roomy.activation_offload and roomy.activation_offload_prefetch  # faster, and 1 GiB fits at 64k
-    assert full.activation_offload and not full.activation_offload_prefetch  # at 128k it does not
+    assert full.activation_offload and not full.activation_offload_prefetch  # at 104k it does not

@@ -45,6 +45,16 @@ def test_loss_falls_and_only_adapters_change(tiny_config, variant):
     assert any("lora_B" in n and not torch.equal(before[n], after[n]) for n in before)
 
 
+@pytest.mark.parametrize("precision, kept", [("bf16-pure", torch.bfloat16), ("bf16-mixed", torch.float32)])
+def test_non_quantized_parameters_follow_the_precision(tiny_config, precision, kept):
+    """A bf16-pure QLoRA run keeps norms and embeddings in bf16 (fp32 ones would make every activation
+    fp32); a mixed run keeps its fp32 master weights."""
+    model = build(tiny_config(method="qlora", quant="nf4", precision=precision))
+    rest = {p.dtype for n, p in model.named_parameters() if "lora_" not in n and p.dtype.is_floating_point}
+    assert rest == {kept}
+    assert all(p.dtype == torch.float32 for n, p in model.named_parameters() if "lora_" in n)  # peft's fp32 adapters
+
+
 @pytest.mark.slow  # 20-170 s each on 2 busy cores
 def test_byte_layout_per_backend(tiny_config):
     """Packed codes are half a byte per value; the scales follow each backend's layout (docs/lora.md)."""
