@@ -5,7 +5,7 @@ planner's at 1k-8k tokens for each strategy mix.
     .venv/bin/python bench/long_context.py [--lengths 1024,2048,4096,8192] [--out docs/long_context_results.md]
 
 Part 1 plans (analytic engine, no GPU) `memfit plan meta-llama/Llama-3.1-8B --budget 24GiB --method qlora
---seq-len 131072 --micro-batch 1 --host-ram 128GiB --max-seq-len` and prints its ladder: the chosen plan
+--seq-len 98304 --micro-batch 1 --host-ram 128GiB --max-seq-len` and prints its ladder: the chosen plan
 at micro_batch 1 with the savers switched on one after another, the longest seq_len each reaches.
 Part 2: the predicted step time of that plan at COST_SEQ_LEN tokens on an RTX 4090, by term, and with
 each saver switched off in turn (what the saver costs).
@@ -40,7 +40,7 @@ from memfit.units import parse_bytes
 
 GiB = 2**30
 MODEL = "meta-llama/Llama-3.1-8B"
-PLANNED = ["method=qlora", "lora.rank=32", "batch.micro_batch=1", "data.seq_len=131072"]
+PLANNED = ["method=qlora", "lora.rank=32", "batch.micro_batch=1", "data.seq_len=98304"]
 COST_SEQ_LEN = 32768
 SAVERS = {"checkpointing": {"memory.checkpointing": "none"}, "chunked loss": {"memory.chunked_loss": False},
           "tiled MLP": {"memory.tiled_mlp": False}, "activation offload": {"memory.activation_offload": False}}
@@ -92,7 +92,7 @@ def cost_rows(chosen) -> list[str]:
         return (f"| {label} | " + " | ".join(f"{found.get(n, 0.0):.2f} s" for n in names) +
                 f" | {sum(found.values()):.2f} s | {cost} |")
 
-    rows.append(row("every saver on (the 128k plan)", every, "-"))
+    rows.append(row("every saver on (the planned run)", every, "-"))
     for saver, off in SAVERS.items():
         without = terms(at.updated(off))
         rows.append(row(f"without {saver}", without,
