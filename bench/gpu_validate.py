@@ -35,6 +35,9 @@ CONFIGS = [  # RunConfig overrides; ~1B model, each well under a minute on a mod
     "data.seq_len=2048",
     "precision=bf16-mixed method=qlora lora.targets=all-linear batch.micro_batch=4 data.seq_len=1024",
     "precision=bf16-mixed memory.attention=eager optim.name=adamw-8bit batch.micro_batch=2 data.seq_len=1024",
+    # terms that differ by device: dropout's 1 B CUDA mask, bitsandbytes' int8 kernel returning fp32
+    "precision=bf16-pure method=qlora lora.rank=32 lora.dropout=0.05 batch.micro_batch=4 data.seq_len=1024",
+    "precision=bf16-mixed method=lora quant.scheme=int8 lora.dropout=0.1 batch.micro_batch=4 data.seq_len=1024",
 ]
 
 

@@ -336,13 +336,19 @@ def _head_bytes(shape: ModelShape, cfg: RunConfig) -> int:
 def _mlp_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
     """The gradients of the MLP's intermediates in its backward (down input, act output, up output:
     3 x tokens x intermediate, 2 for a plain MLP), less the down projection's saved input once its
-    own backward has freed it."""
+    own backward has freed it. With an adapter on the down projection of a 16-bit model, peft's cast
+    of the adapter's input gives the adapter's gradient a path of its own: its cast back to the
+    input's dtype (p), and with dropout one more fp32 gradient (through the mask), before it joins the
+    base's; in an fp32 model it accumulates into the base's input gradient (read off the tracker)."""
     tokens = cfg.batch.micro_batch * cfg.data.seq_len
     width = shape.intermediate * shape.experts_per_token
     a = _mlp_activation_size(cfg)
     intermediates = width * a * (3 if shape.family == "llama" else 2)
     freed = width * a if _down_input_saved(shape, cfg) else 0
-    return int(tokens * (intermediates - freed))
+    adapter = 0
+    if cfg.method != "full" and _down_input_saved(shape, cfg) and cfg.precision != "fp32":
+        adapter = width * (_weight_size(cfg) + (4 if cfg.lora.dropout > 0 else 0))
+    return int(tokens * (intermediates - freed + adapter))
 
 
 def _layer_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
