@@ -107,7 +107,7 @@ def _layer_activation_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> floa
     p, c = _weight_size(cfg), _compute_size(cfg)
     mixed = c != p
     full = cfg.method == "full"
-    adapted = {name.rsplit(".", 1)[-1] for name, _, _ in adapted_linears(shape, cfg)}
+    adapted = _adapted_leaves(shape, cfg)
 
     def trains(*names) -> int:  # number of these linears whose input must be saved
         return sum(1 for n in names if full or n in adapted)
@@ -189,7 +189,7 @@ def _mlp_input_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> int:
     """What one layer's MLP keeps of its input for backward, per token: each trainable gate/up linear's
     own 16-bit copy under autocast, else the input itself once."""
     p, c, full = _weight_size(cfg), _compute_size(cfg), cfg.method == "full"
-    adapted = {name.rsplit(".", 1)[-1] for name, _, _ in adapted_linears(shape, cfg)}
+    adapted = _adapted_leaves(shape, cfg)
     leaves = linear_leaf_names(shape)
     n_mlp = sum(1 for n in _MLP_INPUT_LINEARS if n in leaves and (full or n in adapted))
     if not full:
@@ -362,7 +362,7 @@ def _down_input_saved(shape: ModelShape, cfg: RunConfig) -> bool:
     """Whether the MLP's down projection keeps its input (it trains, or carries an adapter)."""
     if cfg.method == "full":
         return True
-    adapted = {name.rsplit(".", 1)[-1] for name, _, _ in adapted_linears(shape, cfg)}
+    adapted = _adapted_leaves(shape, cfg)
     return bool(adapted & {"down_proj", "fc2", "c_proj", "dense_4h_to_h", "w2"})
 
 
