@@ -19,14 +19,14 @@ What a fake run cannot do, and how each is handled:
     them aborts the process (a C++ terminate in `InputMetadata`, not a catchable exception), and
     SDPA would dispatch its CPU math kernel anyway since no CUDA kernels are compiled in. So the
     trace always runs on the CPU device; see `docs/trace.md` for what differs on a CUDA run and
-    what `device="cuda"` changes here (allocator rounding, foreach optimizer kernels).
+    what `device="cuda"` changes here (allocator rounding, foreach optimizer kernels, fused dropout).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from types import SimpleNamespace
 
 import torch
@@ -138,6 +138,26 @@ def _compiled_functions_for_trace():
         yield
     finally:
         torch.compile = compile_
+
+
+@contextmanager
+def _fused_dropout():
+    """CUDA runs training-mode dropout as the fused `native_dropout`, which keeps a 1-byte bool mask for
+    the backward; CPU's unfused dropout multiplies by a float mask in the input's dtype (4 B for peft's
+    fp32 adapter input). A CUDA trace routes dropout through `torch.native_dropout` (its CPU kernel
+    gives the same outputs and the same bool mask), so the mask is counted as on the GPU."""
+    original = torch.nn.functional.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if not training or p == 0 or inplace:
+            return original(input, p, training, inplace)
+        return torch.native_dropout(input, p, True)[0]
+
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
 
 
 def _materialise(model: torch.nn.Module) -> torch.nn.Module:
@@ -263,7 +283,8 @@ def trace_estimate(cfg: RunConfig, device: str | torch.device | None = None, pad
     model, optimizer, precision, params = run.model, run.optimizer, run.precision, run.params
     if precision.scaler is not None:
         _always_step(precision.scaler)
-    with fake_mode, _compiled_functions_for_trace():
+    dropout = _fused_dropout() if target.type == "cuda" else nullcontext()
+    with fake_mode, _compiled_functions_for_trace(), dropout:
         strategies = step_strategies(cfg, target, optimizer, params, traced=True)
         # The same sequence of tracker calls as memfit.train.loop.train.
         with tracker:

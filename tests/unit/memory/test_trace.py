@@ -14,8 +14,10 @@ import random
 import pytest
 
 from memfit.config import load_config
+from memfit.memory.analytic import analytic_estimate
 from memfit.memory.trace import CUDA_BLOCK_BYTES, cuda_block_bytes, trace_estimate
 from memfit.memory.tracker import CATEGORIES
+from memfit.models.loading import load_model_config
 from memfit.train.loop import train
 
 # precision, optimizer, checkpointing, micro_batch, seq_len (+ extra overrides): 22 configurations.
@@ -128,6 +130,24 @@ def test_cuda_estimate_rounds_blocks_and_uses_foreach_optimizer(tmp_path, long_t
     weight_bytes = cpu.by_category["weights"]
     # foreach AdamW: at its peak, temporaries for all parameters at once (CPU loop: one at a time).
     assert cuda.by_category["temporaries"] >= 0.9 * weight_bytes > cpu.by_category["temporaries"]
+
+
+def test_cuda_trace_keeps_the_fused_dropout_mask():
+    """LoRA dropout's mask: 1 B per element as CUDA's fused kernel keeps it, 4 B (the fp32 adapter
+    input's dtype) on CPU; the traced difference a dropout makes equals the analytic one on each device."""
+    base = ["model=memfit/tiny-llama", "model.init=random", "method=lora", "precision=bf16-pure",
+            "batch.micro_batch=4", "data.seq_len=256"]
+    shape = load_model_config(load_config(None, base).model)[0]
+    added = {}
+    for device in ("cpu", "cuda"):
+        traced, planned = [], []
+        for p in (0.0, 0.1):
+            cfg = load_config(None, base + [f"lora.dropout={p}"])
+            traced.append(trace_estimate(cfg, device=device).by_category["activations"])
+            planned.append(analytic_estimate(cfg, shape, device=device).by_category["activations"])
+        added[device] = traced[1] - traced[0]
+        assert added[device] == planned[1] - planned[0] > 0
+    assert added["cpu"] == 4 * added["cuda"]
 
 
 @pytest.mark.slow
