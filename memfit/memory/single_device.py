@@ -173,12 +173,12 @@ def _adapter_inputs_bytes_per_token(n: int, width: int, cfg: RunConfig, kept_els
     dropout = cfg.lora.dropout > 0
     shared = cfg.precision == "fp32" and not dropout
     copies = (0 if kept_elsewhere else 1) if shared else n
-    mask = n * _dropout_mask_size(cfg) if dropout else 0
-    return width * (copies * _adapter_input_size(cfg) + mask)
+    return width * (copies * _adapter_input_size(cfg) + _dropout_masks_bytes(n, cfg))
 
 
-def _dropout_mask_size(cfg: RunConfig) -> int:
-    return 4 if cfg.device == "cpu" else 1
+def _dropout_masks_bytes(n: int, cfg: RunConfig) -> int:
+    """Per input element, the masks of `n` adapters' dropouts: 1 B each in CUDA's fused kernel, 4 B on CPU."""
+    return n * (4 if cfg.device == "cpu" else 1) if cfg.lora.dropout > 0 else 0
 
 
 def _adapted_leaves(shape: ModelShape, cfg: RunConfig) -> set[str]:
@@ -293,9 +293,8 @@ def activation_bytes(shape: ModelShape, cfg: RunConfig) -> int:
         # the first layer's input is the frozen embedding's output: no gradient, so neither it nor the
         # dropout masks of the adapters reading its norm are kept
         layers -= tokens * shape.hidden * p
-        n_attn = sum(1 for n in _ATTENTION_INPUT_LINEARS if n in _adapted_leaves(shape, cfg))
-        masks = n_attn * _dropout_mask_size(cfg) if cfg.lora.dropout > 0 else 0
-        layers -= tokens * shape.hidden * (masks + _base_keeps_input(cfg) * p)
+        n_attn = len(_adapted_leaves(shape, cfg).intersection(_ATTENTION_INPUT_LINEARS))
+        layers -= tokens * shape.hidden * (_dropout_masks_bytes(n_attn, cfg) + _base_keeps_input(cfg) * p)
     rope = 2 * cfg.data.seq_len * shape.head_dim * p if shape.family == "llama" else 0
     batch = 4 * tokens * 8  # input_ids, attention_mask, labels and the shifted labels, int64
     return int(layers + _head_bytes(shape, cfg) + _loss_bytes(shape, cfg) + rope + batch
