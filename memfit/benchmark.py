@@ -91,7 +91,9 @@ def run_bench(model: str, steps: int = 4, seq_len: int = 256, micro_batch: int =
         raise MemfitError(f"bench: unknown variant(s) {', '.join(unknown)}; known: {', '.join(VARIANTS)}")
     if "baseline" not in names:
         names = ["baseline", *names]  # every ratio needs it
-    base = load_config(None, [f"model={model}", f"max_steps={steps}", f"data.seq_len={seq_len}",
+    # Memory and speed do not depend on the weights' values: random init unless the overrides ask for the
+    # pretrained weights, so shapes without weights (memfit's presets, config-only folders) bench too.
+    base = load_config(None, [f"model={model}", "model.init=random", f"max_steps={steps}", f"data.seq_len={seq_len}",
                               f"batch.micro_batch={micro_batch}", "optim.warmup_steps=0", *overrides])
     with tempfile.TemporaryDirectory(prefix="memfit-bench-") as tmp:
         root = Path(workdir) if workdir else Path(tmp)

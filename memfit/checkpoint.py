@@ -29,6 +29,7 @@ import random
 import re
 import shutil
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,6 +43,7 @@ CHECKPOINTS_DIR = "checkpoints"
 MANIFEST = "manifest.json"
 PAUSE_ENV = "MEMFIT_CHECKPOINT_PAUSE_S"
 _NAME = re.compile(r"^step-(\d{8,})$")
+_ANY_ENGINE_NAME = re.compile(r"^(?:sharded-|deepspeed-)?step-(\d{8,})$")  # what every engine names its checkpoints
 # Folder names of every kind of checkpoint memfit writes (single process, sharded, DeepSpeed, unfinished).
 CHECKPOINT_PREFIXES = ("step-", "sharded-step-", "deepspeed-step-", ".tmp-")
 FORMAT_VERSION = 1
@@ -211,6 +213,13 @@ def latest_step_name(root: Path) -> str | None:
     return dirs[0].name if dirs else None
 
 
+def newest_checkpoint_step(out: Path) -> int | None:
+    """The step of the newest checkpoint folder in a run folder, whichever engine wrote it (not verified)."""
+    root = Path(out) / CHECKPOINTS_DIR
+    steps = [int(m.group(1)) for p in root.iterdir() if (m := _ANY_ENGINE_NAME.match(p.name))] if root.is_dir() else []
+    return max(steps, default=None)
+
+
 def prune(root: Path, keep: int) -> None:
     for old in checkpoint_dirs(root)[keep:]:
         _discard(old)
@@ -351,7 +360,7 @@ def truncate_metrics(out: Path, last_step: int) -> None:
                 kept.append(line + "\n")
         except (ValueError, KeyError, TypeError):
             pass  # a line torn by a kill mid-write
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: never another writer's
     _write_bytes(tmp, "".join(kept).encode())
     os.replace(tmp, path)
 
@@ -371,6 +380,36 @@ def resume_state(resume: bool, out: Path, model, optimizer, scheduler, scaler, s
     truncate_metrics(out, state.step)
     log.warning("resuming from %s (step %d)", found, state.step)
     return state
+
+
+# Optimizer settings a resumed run takes from its config, not from the checkpoint (output_dir.RESUMABLE_CHANGES):
+# loading the optimizer's state restores every group's hyperparameters, and the LR scheduler's its base_lrs.
+CONFIGURED_GROUP_KEYS = ("weight_decay",)
+
+
+@contextmanager
+def keep_configured_hyperparameters(optimizer, scheduler):
+    """Around loading a checkpoint (any engine's): afterwards the optimizer's groups keep the weight decay
+    and the LR scheduler keeps the peak lrs the config built them with, and the current lr is the config's
+    schedule at the restored step. Without a checkpoint this changes nothing."""
+    configured = [{k: group[k] for k in CONFIGURED_GROUP_KEYS if k in group} for group in optimizer.param_groups]
+    base_lrs = list(scheduler.base_lrs) if scheduler is not None else None
+    yield
+    for group, values in zip(optimizer.param_groups, configured):
+        group.update(values)
+    if scheduler is None:
+        return
+    scheduler.base_lrs = base_lrs
+    lrs = [base * factor(scheduler.last_epoch) for base, factor in zip(base_lrs, scheduler.lr_lambdas)]
+    for group, base, lr in zip(optimizer.param_groups, base_lrs, lrs):
+        group["initial_lr"] = base
+        if isinstance(group["lr"], torch.Tensor):  # torchao keeps lr as a tensor (compile must not retrace)
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+    # What get_last_lr() reports for the first resumed step: copies, as the scheduler keeps them.
+    scheduler._last_lr = [lr.clone() if isinstance(lr, torch.Tensor) else lr
+                          for lr in (group["lr"] for group in optimizer.param_groups)]
 
 
 def discard_checkpoints(out: Path) -> None:

@@ -86,9 +86,19 @@ def cmd_plan(args) -> int:
     import json
 
     from memfit.config import load_config
-    from memfit.memory.planner import parse_budget, plan, plan_text, write_config
+    from memfit.memory.planner import check_config_path, parse_budget, plan, plan_text, write_config
     from memfit.strategies.table import STEP_STRATEGIES
 
+    # Sizes and output paths are checked first: a typo should not cost the planning work.
+    budget = parse_budget(args.budget)
+    margin = parse_budget(args.margin, "--margin", allow_zero=True)
+    host_ram = None if args.host_ram == "unlimited" else parse_budget(args.host_ram, "--host-ram")
+    if args.write_config:
+        check_config_path(args.write_config)
+    if args.chart:
+        from memfit.memory.chart import check_chart_path
+
+        check_chart_path(args.chart)
     overrides = [f"model={args.model}"]
     for path, _ in PLAN_OPTIONS.values():
         value = getattr(args, path.replace(".", "_"))
@@ -104,13 +114,11 @@ def cmd_plan(args) -> int:
                           if not any(o.startswith(path + "=") for o in overrides)]
     cfg = load_config(args.config, overrides)
     device = args.device or ("cpu" if cfg.device == "cpu" else "cuda")
-    margin = parse_budget(args.margin, "--margin", allow_zero=True)
-    host_ram = None if args.host_ram == "unlimited" else parse_budget(args.host_ram, "--host-ram")
     if host_ram is None and args.host_ram is None:
         from memfit.memory.planner import machine_ram_bytes
 
         host_ram = machine_ram_bytes()
-    result = plan(args.model, cfg, parse_budget(args.budget), gpus=args.gpus, engine=args.engine, device=device,
+    result = plan(args.model, cfg, budget, gpus=args.gpus, engine=args.engine, device=device,
                   gpu=args.gpu, margin=margin, max_micro_batch=args.max_micro_batch, max_seq_len=args.max_seq_len,
                   host_ram=host_ram)
     if args.write_config:
@@ -152,9 +160,13 @@ def cmd_data_prepare(args) -> int:
     out = args.out or cfg.data.prepared_dir
     if not out:
         raise MemfitError("memfit data prepare: set data.prepared_dir in the config (or pass --out DIR)")
+    _check_out_folder(out, "--out" if args.out else "data.prepared_dir")
     report = prepare_dataset(cfg, load_tokenizer(cfg.model), out, overwrite=args.overwrite, progress=not args.no_progress)
     print(report.to_text())
     return 0
+
+
+BENCH_MODEL = "memfit/tiny-llama"
 
 
 def cmd_bench(args) -> int:
@@ -163,6 +175,9 @@ def cmd_bench(args) -> int:
     if args.list:
         print("\n".join(f"{name:<28}{overrides}" for name, overrides in VARIANTS.items()))
         return 0
+    if "=" in args.model and not os.path.exists(args.model):  # `memfit bench key=value`: an override, no model
+        args.overrides, args.model = [args.model, *args.overrides], BENCH_MODEL
+    _check_out_folder(args.out, "--out")  # before the variants run, not after
     rows = run_bench(args.model, args.steps, args.seq_len, args.micro_batch, args.variants, args.overrides)
     title = (f"memfit bench {args.model}: {args.steps} steps, micro_batch {args.micro_batch} x seq_len {args.seq_len}"
              + (f", {' '.join(args.overrides)}" if args.overrides else ""))
@@ -171,6 +186,19 @@ def cmd_bench(args) -> int:
     text, data, chart = save_results(rows, args.out, title)
     print(f"results in {text}, {data}, chart {chart}")
     return 0
+
+
+def _check_out_folder(folder: str, option: str) -> None:
+    """A folder memfit will create (or write into) must not be a file, nor lie under one or in a read-only place."""
+    from pathlib import Path
+
+    path = Path(folder)
+    existing = next(p for p in (path, *path.parents) if p.exists())  # the part that is there already
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"is under {existing}, which is a file"
+        raise MemfitError(f"{option} {folder}: {where}; give a folder")
+    if not os.access(existing, os.W_OK):
+        raise MemfitError(f"{option} {folder}: cannot write into {existing} (permission denied); give another folder")
 
 
 def cmd_merge(args) -> int:
@@ -194,13 +222,21 @@ def cmd_report(args) -> int:
     from memfit.errors import MemfitError
     from memfit.memory.timeline import read_timeline, timeline_chart
 
-    text = Path(args.run_dir) / "memory_report.txt"
+    if args.chart:  # checked before anything is read or printed
+        from memfit.memory.chart import check_chart_path
+
+        check_chart_path(args.chart)
+    run, text = Path(args.run_dir), Path(args.run_dir) / "memory_report.txt"
+    if not run.is_dir():
+        raise MemfitError(f"{run}: {'is a file' if run.exists() else 'does not exist'}; give the output_dir of a "
+                          "finished memfit train run")
     if not text.is_file():
         raise MemfitError(f"{text} not found: is {args.run_dir} the output_dir of a finished memfit train run?")
+    timeline = read_timeline(run) if args.chart else None
     print(text.read_text().rstrip())
     if args.chart:
-        timeline_chart(read_timeline(Path(args.run_dir)), Path(args.chart),
-                       f"memory timeline of {args.run_dir} (the step with the highest peak)")
+        timeline_chart(timeline, Path(args.chart), f"memory timeline of {args.run_dir} (the step with the highest "
+                                                   "peak)", option="--chart")
         print(f"wrote {args.chart}")
     return 0
 
@@ -223,6 +259,8 @@ def _print_summary(result) -> None:
     print(result.report.to_text())
     print(f"loss: {result.losses[0]:.3f} at step 1 -> {result.losses[-1]:.3f} at step {len(result.losses)} "
           f"(mean of last 10 steps: {sum(result.losses[-10:]) / len(result.losses[-10:]):.3f})")
+    for line in result.data_notes.lines() if result.data_notes is not None else []:  # truncated, dropped, shrunk
+        print(line)
     if result.eval_losses:
         best = min(result.eval_losses, key=result.eval_losses.get)
         print("eval loss by step: " + ", ".join(f"{step} {loss:.3f}" for step, loss in result.eval_losses.items())
@@ -250,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     bench = sub.add_parser("bench", help="measure peak memory and step time of each strategy on this machine")
-    bench.add_argument("model", nargs="?", default="memfit/tiny-llama", help="model name, preset or local folder")
+    bench.add_argument("model", nargs="?", default=BENCH_MODEL, help="model name, preset or local folder")
     bench.add_argument("overrides", nargs="*", help="dotted overrides for every variant, e.g. data.path=my.jsonl")
     bench.add_argument("--steps", type=int, default=4, help="optimizer steps per variant (default 4)")
     bench.add_argument("--seq-len", type=int, default=256, help="tokens per sequence (default 256)")
@@ -343,9 +381,12 @@ def main(argv: list[str] | None = None) -> int:
     except MemfitError as exc:
         if args.verbose:
             raise
-        # A requested stop (SIGTERM/SIGINT, checkpoint saved) is not an error and exits 128 + signal.
-        print(f"memfit: {'stopped' if hasattr(exc, 'exit_status') else 'error'}: {exc}", file=sys.stderr)
-        return getattr(exc, "exit_status", 2)
+        # A requested stop (SIGTERM/SIGINT, checkpoint saved) is not an error and exits 128 + signal; a run
+        # that has nothing left to do exits 0.
+        status = getattr(exc, "exit_status", 2)
+        kind = "error: " if status == 2 else "stopped: " if status else ""
+        print(f"memfit: {kind}{exc}", file=sys.stderr)
+        return status
 
 
 if __name__ == "__main__":

@@ -18,24 +18,24 @@ from memfit.config import RunConfig, load_config
 from memfit.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, chat_template_for, detect_format
 from memfit.data.sources import iter_raw
 from memfit.errors import MemfitError, require
-from memfit.models.merge import base_dtype, load_base
+from memfit.models.loading import load_saved_model
+from memfit.models.merge import base_dtype, load_adapter, load_base, require_run_dir
 
 log = logging.getLogger(__name__)
 
 
 def load_run(run_dir: str | Path):
     """-> (model in eval mode, tokenizer, the run's config) from a finished run's folder."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     run_dir = Path(run_dir)
-    if not (run_dir / "run_config.yaml").is_file():
-        raise MemfitError(f"{run_dir}: no run_config.yaml here; memfit generate needs the output_dir of a memfit run")
+    require_run_dir(run_dir, "memfit generate")
     cfg = load_config(run_dir / "run_config.yaml")
     if (run_dir / "adapter_config.json").is_file():
         peft = require("peft", "memfit generate on a LoRA/QLoRA run")
-        model = peft.PeftModel.from_pretrained(load_base(run_dir, cfg), run_dir)
+        model = load_adapter(peft, load_base(run_dir, cfg), run_dir)
     elif (run_dir / "config.json").is_file():
-        model = AutoModelForCausalLM.from_pretrained(run_dir, dtype=base_dtype(cfg))
+        model = load_saved_model(run_dir, base_dtype(cfg))
     else:
         raise MemfitError(f"{run_dir}: holds neither a model (config.json) nor an adapter (adapter_config.json); "
                           "has the run finished?")

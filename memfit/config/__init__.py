@@ -59,6 +59,25 @@ class ModelConfig(_Section):
         "`pretrained`: train the model's real weights (a folder's, or the hub's for a hub id or a preset named "
         "by one); stop if there are none. `random`: start from random weights (memfit's own presets, "
         "config-only folders, experiments)."))
+    tokenizer: str | None = Field(None, description=(
+        "Tokenizer to use instead of the model's own: a local folder or hub id (e.g. the hub model the weights came "
+        "from, or a finished run's output_dir). Needed for a folder of real weights saved without tokenizer files; "
+        "its token ids must fit the model's vocab_size."))
+    new_weights: list[str] = Field(default_factory=list, description=(
+        "Model tensors that may be missing from the checkpoint (or have another shape there) and start from random "
+        "values, as glob patterns over tensor names, e.g. [\"lm_head.*\"] for a new output head; each is logged. "
+        "Any other missing or misshapen tensor stops the run (model.init: pretrained)."))
+    dropped_weights: list[str] = Field(default_factory=list, description=(
+        "Checkpoint tensors the model has no place for that may be left out, as glob patterns, e.g. [\"v_head.*\"] "
+        "for a value head the causal LM does not use; each is logged. Any other unexpected tensor stops the run."))
+
+    @model_validator(mode="after")
+    def _weight_lists_need_pretrained(self) -> "ModelConfig":
+        # With random init nothing is loaded, so these lists would be silently ignored.
+        if self.init == "random" and (self.new_weights or self.dropped_weights):
+            raise ValueError("new_weights / dropped_weights only apply to init: pretrained (a random init loads "
+                             "no checkpoint)")
+        return self
 
 
 class DataConfig(_Section):
@@ -181,9 +200,7 @@ class _MemoryConfig(_Section):
     @field_validator("limit", mode="before")
     @classmethod
     def _limit_form(cls, value: Any) -> str | None:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            value = f"{int(value)}B"  # a plain number is bytes
-        if value is not None:
+        if value is not None:  # a bare number is refused like everywhere else (memfit/units.py)
             if parse_bytes(value) <= 0:  # parse_bytes' own ValueError says how to write a size
                 raise ValueError("must be a positive size, e.g. 512MiB")
         return value
@@ -302,6 +319,10 @@ class RunConfig(_Section):
     overwrite: bool = Field(False, description="Allow writing into an output_dir that already holds a run.")
     resume: bool = Field(False, description="Continue the run in output_dir from its last good checkpoint "
                                             "(reuses output_dir; starts from step 0 if it has none).")
+    resume_data_changed: Literal["error", "continue"] = Field(
+        "error", description="resume=true when the training data's files changed size or content since the run "
+                             "began (RUN_DIR/data_identity.json): `error` refuses; `continue` goes on at the saved "
+                             "data position in the changed data, with a warning.")
 
     @model_validator(mode="before")
     @classmethod
@@ -324,9 +345,9 @@ class RunConfig(_Section):
     def _quant_shorthand(cls, value: Any) -> Any:
         return {"scheme": value} if isinstance(value, str) else value
 
-    @field_validator("budget")
+    @field_validator("budget", mode="before")  # before: a YAML number gets the size rule's message
     @classmethod
-    def _planner_budget_form(cls, value: str | None) -> str | None:
+    def _planner_budget_form(cls, value: Any) -> str | None:
         if value is not None and value != "auto":
             if parse_bytes(value) <= 0:  # parse_bytes' own ValueError says how to write a size
                 raise ValueError("must be null, 'auto' or a positive size, e.g. 24GiB")
@@ -524,16 +545,49 @@ def build_config(raw: dict, source: str = "config") -> RunConfig:
         raise ConfigError(problems, source) from None
 
 
+class ConfigFileError(ConfigError):
+    """The config file itself is unusable (missing, a folder, unreadable, not a mapping): one line naming it."""
+
+    def __init__(self, path: Path, problem: str):
+        self.problems = [problem]
+        MemfitError.__init__(self, f"{path}: {problem}")
+
+
+def _folder_problem(path: Path) -> str:
+    """What to say about a folder given as the config: a run folder's own run_config.yaml, or its YAML files."""
+    if (path / "run_config.yaml").is_file():
+        return (f"is a folder, not a config file; it holds a memfit run: to continue that run use resume=true with "
+                f"its run_config.yaml ({path / 'run_config.yaml'} resume=true)")
+    found = sorted(p.name for p in path.glob("*.y*ml") if p.is_file())[:3]
+    return "is a folder, not a config file; give a RunConfig YAML file" + (
+        f" (this folder holds {', '.join(found)})" if found else "")
+
+
+_YAML_KINDS = {str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
 def read_yaml(path: str | Path) -> dict:
     path = Path(path)
+    if path.is_dir():
+        raise ConfigFileError(path, _folder_problem(path))
     if not path.is_file():
-        raise ConfigError([f"file not found: {path}"], str(path))
+        raise ConfigFileError(path, "file not found; give the path of a RunConfig YAML file")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         raise ConfigError([f"invalid YAML{where}: {getattr(exc, 'problem', exc)}"], str(path)) from None
+    except UnicodeDecodeError:
+        raise ConfigFileError(path, "is not a text file (UTF-8); give a RunConfig YAML file") from None
+    except OSError as exc:
+        raise ConfigFileError(path, f"cannot be read ({exc.strerror})") from None
+    if raw is None:  # an empty file (or only comments): every default
+        return {}
+    if not isinstance(raw, dict):
+        kind = "a list" if isinstance(raw, list) else f"{_YAML_KINDS.get(type(raw), 'a value')} ({repr(raw)[:40]})"
+        raise ConfigFileError(path, f"the top level must be a mapping of keys to values (e.g. `max_steps: 100`), "
+                                    f"got {kind}")
     return raw
 
 

@@ -9,6 +9,10 @@ Formats:
   template, or memfit's built-in `CHAT_TEMPLATE` when the tokenizer has none; every assistant
   turn is trainable (multi-turn), everything else is masked.
 
+Text fields must hold strings: a null, a number or a list where text belongs is a malformed record
+(reported with its file and line, or skipped and counted with data.skip_bad_records), never trained on
+as "None"; only alpaca's optional `input` may be absent or null.
+
 Field names can be remapped (`data.fields: {instruction: question, output: answer}`): keys are
 memfit's names, values the names in your data.
 """
@@ -38,6 +42,27 @@ def remap_fields(record: dict, fields: dict[str, str]) -> dict:
     return record
 
 
+def text_field(record: dict, key: str, name: str | None = None, optional: bool = False) -> str:
+    """`record[key]` if it is a string. A null or a number where text belongs is a record error, not
+    the text "None" or "42" to train on; `optional`: absent or null reads as "" (alpaca's `input`).
+    `name`: how the message calls the field (messages[2].content)."""
+    value = record.get(key) if optional else record[key]  # KeyError: the caller reports the missing field
+    if isinstance(value, str):
+        return value
+    if value is None and optional:
+        return ""
+    got = "null" if value is None else f"{_KIND.get(type(value), 'a ' + type(value).__name__)} ({_short(value)})"
+    raise DataError(f"field '{name or key}' is {got}, expected text (a string)")
+
+
+_KIND = {bool: "a boolean", int: "a number", float: "a number", list: "a list", dict: "an object"}
+
+
+def _short(value: object, limit: int = 40) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
 def detect_format(record: dict) -> str:
     if "messages" in record or "conversations" in record:
         return "chat"
@@ -57,16 +82,19 @@ def chat_messages(record: dict) -> list[dict]:
         if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m and "content" in m
                                                      for m in messages):
             raise DataError("'messages' must be a list of objects with 'role' and 'content'")
+        for i, message in enumerate(messages):
+            text_field(message, "role", f"messages[{i}].role")
+            text_field(message, "content", f"messages[{i}].content")
         return messages
     turns = record["conversations"]
     if not isinstance(turns, list) or not all(isinstance(t, dict) and "from" in t and "value" in t for t in turns):
         raise DataError("'conversations' must be a list of objects with 'from' and 'value' (ShareGPT)")
     messages = []
-    for turn in turns:
+    for i, turn in enumerate(turns):
         role = SHAREGPT_ROLES.get(str(turn["from"]).lower())
         if role is None:
             raise DataError(f"unknown ShareGPT speaker '{turn['from']}'; known: {', '.join(SHAREGPT_ROLES)}")
-        messages.append({"role": role, "content": turn["value"]})
+        messages.append({"role": role, "content": text_field(turn, "value", f"conversations[{i}].value")})
     return messages
 
 
@@ -110,11 +138,12 @@ def render_segments(record: dict, fmt: str, tokenizer) -> tuple[list[Segment], b
         fmt = detect_format(record)
     try:
         if fmt == "text":
-            return [(str(record["text"]), True)], False
+            return [(text_field(record, "text"), True)], False
         if fmt == "alpaca":
-            template = ALPACA_PROMPT if record.get("input") else ALPACA_PROMPT_NO_INPUT
-            prompt = template.format(instruction=record["instruction"], input=record.get("input") or "")
-            return [(prompt, False), (str(record["output"]), True)], False
+            instruction, output = text_field(record, "instruction"), text_field(record, "output")
+            extra = text_field(record, "input", optional=True)
+            template = ALPACA_PROMPT if extra else ALPACA_PROMPT_NO_INPUT
+            return [(template.format(instruction=instruction, input=extra), False), (output, True)], False
         if fmt == "chat":
             if "messages" not in record and "conversations" not in record:
                 raise KeyError("messages")

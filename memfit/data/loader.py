@@ -7,6 +7,7 @@
 `BatchStream` serves the first two: it walks a seeded permutation of the examples, epoch after
 epoch, through a torch DataLoader (worker processes, pinned memory on CUDA), and its exact
 position is `state_dict()`, so a resumed run sees every example exactly once per epoch.
+Every stream keeps `notes` (data/notes.py): what was read, truncated and dropped, for the summary.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 from memfit.config import DataConfig
 from memfit.data.batching import CHUNK_RECORDS, chunked, collate, is_held_out
 from memfit.data.examples import EncodeSpec, ProblemLog, encode_chunk
+from memfit.data.notes import DataNotes
 from memfit.data.packing import pack_examples
 from memfit.data.prepare import PreparedDataset
 from memfit.data.sources import DataError, is_hub_name, iter_raw
@@ -30,14 +32,18 @@ LENGTH_GROUP_BATCHES = 64  # group_by_length sorts within windows of this many m
 
 
 def load_examples(cfg: DataConfig, tokenizer, seq_len: int, packing: bool = False,
-                  keep: Callable[[dict], bool] | None = None) -> list[dict]:
+                  keep: Callable[[dict], bool] | None = None, problems: ProblemLog | None = None) -> list[dict]:
     """Tokenize the whole dataset into a list in RAM (fine for small data; see `memfit data prepare`).
-    `keep`: which tokenized examples to use (before packing), e.g. all but the held-out ones."""
-    spec, problems, examples = EncodeSpec.from_config(cfg, tokenizer, seq_len), ProblemLog(cfg.skip_bad_records), []
+    `keep`: which tokenized examples to use (before packing), e.g. all but the held-out ones.
+    `problems`: where to count what was read, dropped and truncated (all records, `keep` or not)."""
+    spec, examples = EncodeSpec.from_config(cfg, tokenizer, seq_len), []
+    problems = ProblemLog(cfg.skip_bad_records, seq_len=seq_len) if problems is None else problems
     for chunk in chunked(iter_raw(cfg.path, cfg.split, cfg.limit, cfg.max_record_bytes), CHUNK_RECORDS):
         result = encode_chunk(chunk, spec)
-        problems.add_all(result.problems)
-        examples += result.examples if keep is None else [e for e in result.examples if keep(e)]
+        problems.add_chunk(result)
+        kept = result.examples if keep is None else [e for e in result.examples if keep(e)]
+        problems.held_out += len(result.examples) - len(kept)
+        examples += kept
     problems.report()
     if not examples:
         raise DataError(f"{cfg.path}: no usable examples" + "".join(f"\n  {s}" for s in problems.summary()))
@@ -49,20 +55,27 @@ class BatchStream:
 
     `examples` is any sequence of example dicts (a list, or a memory-mapped PreparedDataset).
     `num_workers` > 0 collates in that many DataLoader worker processes; `pin_memory` pins the
-    batches (CUDA) so the host-to-device copy can overlap compute.
+    batches (CUDA) so the host-to-device copy can overlap compute. `notes`: the load's counts
+    (data/notes.py); a micro-batch the data cannot fill is added to them.
     """
 
     def __init__(self, examples: Sequence[dict], micro_batch: int, pad_id: int, seed: int, num_workers: int = 0,
                  pin_memory: bool = False, prefetch_factor: int = 2, group_by_length: bool = False,
-                 rank: int = 0, world: int = 1):
-        if len(examples) == 0:
-            raise DataError("no examples to train on")
+                 rank: int = 0, world: int = 1, notes: DataNotes | None = None):
+        per_rank = len(examples) // world  # an epoch's last len % world examples are dropped (_order)
+        if per_rank == 0:
+            raise DataError(f"no examples to train on: the data holds {len(examples)} example(s) (packed rows) for "
+                            f"{world} data-parallel process(es)")
         self.examples, self.micro_batch, self.pad_id, self.seed = examples, micro_batch, pad_id, seed
         self.num_workers, self.pin_memory, self.prefetch_factor = num_workers, pin_memory, prefetch_factor
         self.group_by_length = group_by_length
         self.rank, self.world = rank, world
         self.epoch, self.position = 0, 0
         self._batches: Iterator[dict] | None = None
+        self.notes = notes
+        if notes is not None and per_rank < micro_batch:
+            unit = "packed row(s)" if "doc_lengths" in examples[0] else "example(s)"
+            notes.shrink_micro_batch(micro_batch, per_rank, unit + (" per data-parallel process" if world > 1 else ""))
 
     def _order(self) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -116,14 +129,19 @@ def build_batch_stream(cfg, tokenizer, device: torch.device, rank: int = 0, worl
     pin = device.type == "cuda"
     if data.prepared_dir:
         examples = PreparedDataset.open(data.prepared_dir, expect=cfg)
+        notes = DataNotes.from_prepared(examples.meta)
+        if notes.lossy():  # said when it was prepared, maybe in another session: say it again before training
+            log.warning("%s: %s", data.prepared_dir, notes.lines()[0])
     elif data.streaming:
         return StreamingBatches(cfg, tokenizer, pin_memory=pin, rank=rank, world=world)
     else:
         fraction = cfg.eval.fraction
         keep = (lambda example: not is_held_out(example, fraction)) if fraction else None
-        examples = load_examples(data, tokenizer, cfg.data.seq_len, cfg.data.packing, keep)
+        problems = ProblemLog(data.skip_bad_records, seq_len=data.seq_len)
+        examples = load_examples(data, tokenizer, cfg.data.seq_len, cfg.data.packing, keep, problems)
+        notes = DataNotes.from_log(problems, data.seq_len)
     return BatchStream(examples, cfg.batch.micro_batch, tokenizer.pad_token_id, cfg.seed, data.num_workers, pin,
-                       data.prefetch_factor, data.group_by_length, rank, world)
+                       data.prefetch_factor, data.group_by_length, rank, world, notes)
 
 
 def eval_batches(cfg, tokenizer) -> list[dict[str, torch.Tensor]]:

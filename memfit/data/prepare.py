@@ -46,6 +46,8 @@ class PrepareReport:
     rows: int = 0
     tokens: int = 0
     trainable_tokens: int = 0
+    truncated: int = 0         # examples cut to seq_len
+    truncated_tokens: int = 0  # tokens cut off them
     example_length: dict = field(default_factory=dict)  # min/median/p95/max tokens per example
     skipped: dict = field(default_factory=dict)
     seconds: float = 0.0
@@ -60,6 +62,7 @@ class PrepareReport:
                  f"tokens: {self.tokens:,} ({self.trainable_tokens:,} carry loss)",
                  f"tokens per example: min {lengths.get('min')}, median {lengths.get('median')}, "
                  f"p95 {lengths.get('p95')}, max {lengths.get('max')}",
+                 f"truncated to data.seq_len: {self.truncated:,} example(s) ({self.truncated_tokens:,} tokens cut)",
                  f"time: {self.seconds:.1f} s with {self.workers} worker process(es) "
                  f"({self.records / max(self.seconds, 1e-9):,.0f} records/s, "
                  f"{self.tokens / max(self.seconds, 1e-9):,.0f} tokens/s)",
@@ -145,7 +148,8 @@ def prepare_dataset(cfg, tokenizer, out_dir: str | Path, overwrite: bool = False
     partial.mkdir(parents=True)
     started = time.perf_counter()
     spec = EncodeSpec.from_config(cfg.data, tokenizer, cfg.data.seq_len)
-    report, problems = PrepareReport(str(out), workers=cfg.data.num_workers), ProblemLog(cfg.data.skip_bad_records)
+    report = PrepareReport(str(out), workers=cfg.data.num_workers)
+    problems = ProblemLog(cfg.data.skip_bad_records, seq_len=cfg.data.seq_len)
     example_lengths = array("i")
     packed = cfg.data.packing
     list_type = pa.list_(pa.int32())
@@ -156,7 +160,7 @@ def prepare_dataset(cfg, tokenizer, out_dir: str | Path, overwrite: bool = False
     def examples():
         records = iter_raw(cfg.data.path, cfg.data.split, cfg.data.limit, cfg.data.max_record_bytes)
         for result in _encoded_chunks(chunked(records, CHUNK_RECORDS), spec, cfg.data.num_workers):
-            problems.add_all(result.problems)
+            problems.add_chunk(result)
             report.records += result.records
             bar.update(result.records)
             for example in result.examples:
@@ -184,6 +188,7 @@ def prepare_dataset(cfg, tokenizer, out_dir: str | Path, overwrite: bool = False
     problems.report()
     report.example_length = _length_stats(example_lengths)
     report.skipped = dict(problems.counts)
+    report.truncated, report.truncated_tokens = problems.truncated, problems.truncated_tokens
     report.seconds = time.perf_counter() - started
     report.main_peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     if report.workers:

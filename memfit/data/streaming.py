@@ -9,6 +9,10 @@ the same for any W and the stream is deterministic. Resume is exact: the epoch i
 its start with the same seed and the first `position` items are dropped (re-reading costs time,
 not correctness), so every example is seen exactly once per epoch across a restart. With data
 parallel ranks, rank r tokenizes and serves records r, r + world, ... (disjoint shares).
+
+`notes` counts what was read, truncated and dropped: the first complete pass once there is one,
+else the pass in progress (so far). The first pass this process reads warns the first time it meets
+each kind of dropped or truncated record: a run may stop long before an epoch ends.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch
 
 from memfit.data.batching import CHUNK_RECORDS, chunked, collate
 from memfit.data.examples import EncodeSpec, ProblemLog, encode_chunk
+from memfit.data.notes import DataNotes
 from memfit.data.packing import pack_examples
 from memfit.data.sources import MAX_RECORD_BYTES, DataError, iter_raw
 
@@ -79,7 +84,10 @@ class StreamingBatches:
         self.micro_batch, self.pad_id, self.seed = cfg.batch.micro_batch, tokenizer.pad_token_id, cfg.seed
         self.pin_memory, self.rank, self.world = pin_memory, rank, world
         self.epoch, self.position = 0, 0
-        self.problems = ProblemLog(data.skip_bad_records)
+        self.problems = ProblemLog(data.skip_bad_records, seq_len=self.seq_len)  # the last complete pass
+        self._pass: ProblemLog | None = None  # the pass in progress
+        self._passes_done = 0
+        self._micro_batch_note: str | None = None
         self._items: Iterator[dict] | None = None
 
     def _examples(self, problems: ProblemLog) -> Iterator[dict]:
@@ -91,12 +99,13 @@ class StreamingBatches:
         loader = torch.utils.data.DataLoader(dataset, batch_size=None, collate_fn=_identity, num_workers=workers,
                                              prefetch_factor=self.data.prefetch_factor if workers else None)
         for result in loader:
-            problems.add_all(result.problems)  # raises on a malformed record unless skipping
+            problems.add_chunk(result)  # raises on a malformed record unless skipping
             yield from result.examples
 
     def epoch_items(self, epoch: int) -> Iterator[dict]:
         """The examples (or packed rows) of one epoch, in training order."""
-        problems = ProblemLog(self.data.skip_bad_records)
+        first = self._passes_done == 0  # this process's first pass: warn as problems appear
+        problems = self._pass = ProblemLog(self.data.skip_bad_records, seq_len=self.seq_len, live=first)
         rng = random.Random(self.seed * 1_000_003 + epoch)
         items = shuffled(self._examples(problems), self.data.shuffle_buffer, rng)
         if self.packing:
@@ -107,9 +116,17 @@ class StreamingBatches:
             yield item
         if count == 0:
             raise DataError(f"{self.data.path}: no usable examples" + "".join(f"\n  {s}" for s in problems.summary()))
-        if epoch == 0:
+        if first:
             problems.report()
-        self.problems = problems
+        self.problems, self._passes_done = problems, self._passes_done + 1
+
+    @property
+    def notes(self) -> DataNotes:
+        done = self._passes_done or self._pass is None
+        scope = ("streamed" if done else "streamed, so far") + (", this process's share" if self.world > 1 else "")
+        notes = DataNotes.from_log(self.problems if done else self._pass, self.seq_len, scope)
+        notes.micro_batch_note = self._micro_batch_note
+        return notes
 
     def _start_epoch(self) -> None:
         items = self.epoch_items(self.epoch)
@@ -125,9 +142,17 @@ class StreamingBatches:
             self.epoch, self.position = self.epoch + 1, 0
             self._start_epoch()
             rows = [row for _, row in zip(range(self.micro_batch), self._items)]
+        if self.position == 0 and len(rows) < self.micro_batch and self._micro_batch_note is None:
+            self._shrunk(len(rows))  # a whole epoch fits in one micro-batch
         self.position += len(rows)
         batch = collate(rows, self.pad_id)
         return {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
+
+    def _shrunk(self, rows: int) -> None:
+        notes = DataNotes(self.seq_len)
+        unit = "packed row(s)" if self.packing else "example(s)"
+        notes.shrink_micro_batch(self.micro_batch, rows, unit + (" per data-parallel process" if self.world > 1 else ""))
+        self._micro_batch_note = notes.micro_batch_note
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position}

@@ -2,11 +2,56 @@
 
 from __future__ import annotations
 
-from memfit.errors import require
+import os
+from pathlib import Path
+
+from memfit.errors import MemfitError, require
 from memfit.memory.tracker import CATEGORIES
 
 COLORS = {"weights": "#4c72b0", "gradients": "#dd8452", "optimizer_states": "#55a868",
           "activations": "#c44e52", "temporaries": "#8172b3", "runtime overhead": "#937860"}
+
+
+def chart_formats(option: str = "--chart") -> list[str]:
+    """The file suffixes matplotlib writes here, without pgf (LaTeX code that needs a TeX installation)."""
+    require("matplotlib", option)
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    return sorted(set(FigureCanvasBase.get_supported_filetypes()) - {"pgf"})
+
+
+def check_chart_path(path: str | Path, option: str = "--chart") -> Path:
+    """Refuse, before any work is done, a chart path matplotlib could not write: a folder, a missing or
+    read-only parent folder, or a suffix that is no image format (matplotlib would write `plan` as
+    `plan.png`, and fail on `plan.txt` only after the work)."""
+    given, path = str(path), Path(path)  # messages show the path as the user wrote it
+    if path.is_dir():
+        raise MemfitError(f"{option} {given}: is a folder; give a file name such as {path / 'chart.png'}")
+    formats = chart_formats(option)
+    suffix = path.suffix.lower().lstrip(".")
+    if suffix not in formats:
+        what = f"'.{suffix}' is not an image format matplotlib writes" if suffix else "has no image suffix"
+        raise MemfitError(f"{option} {given}: {what}; end the name with one of: .{', .'.join(formats)} (e.g. "
+                          f"{path.with_suffix('.png').name})")
+    folder = path.parent
+    if not folder.is_dir():
+        raise MemfitError(f"{option} {given}: folder {folder} does not exist; create it or give a path in an "
+                          "existing folder")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise MemfitError(f"{option} {given}: cannot write there (permission denied); give a path you can write")
+    return path
+
+
+def save_figure(fig, path: str | Path, dpi: int, option: str = "--chart") -> None:
+    """fig.savefig and close it; a failure to write (disk full, permissions) said in one line naming the file."""
+    import matplotlib.pyplot as plt
+
+    try:
+        fig.savefig(path, dpi=dpi)
+    except OSError as exc:
+        raise MemfitError(f"{option} {path}: cannot write it ({exc.strerror or exc})") from None
+    finally:
+        plt.close(fig)
 
 
 def plan_chart(result, path: str) -> None:
@@ -39,5 +84,4 @@ def plan_chart(result, path: str) -> None:
     ax.set_title(f"memfit plan: {result.model}")
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)

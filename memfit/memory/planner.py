@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 from memfit.config import RunConfig
 from memfit.errors import MemfitError
@@ -22,7 +23,8 @@ from memfit.memory.search import SEARCHED, Candidate, SearchResult, config_summa
 from memfit.memory.single_device import _trainable_size, strategy_host_bytes
 from memfit.memory.trace import trace_estimate
 from memfit.models.loading import load_model_config, missing_weights
-from memfit.models.validate import check_model, model_where
+from memfit.models.validate import POSITIONS, check_model, model_where
+from memfit.strategies.adapters import check_lora_targets_on_meta
 from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import format_bytes, parse_bytes
 
@@ -91,6 +93,7 @@ def plan(model_name: str, cfg: RunConfig, budget_bytes: int | None = None, gpus:
         cfg = cfg.updated({"model.name": model_name, "model.init": "pretrained"})
     model_config, _ = load_model_config(cfg.model)
     check_model(cfg, model_config, model_where(cfg.model), gpus)
+    check_lora_targets_on_meta(model_config, cfg)  # a name the analytic count would drop silently
     described = cfg
     if not isinstance(cfg.batch.micro_batch, int):
         described = cfg.updated({"batch.micro_batch": 1})
@@ -305,7 +308,8 @@ def search_lines(result: Plan) -> list[str]:
                   f"~{chosen.step_seconds:.2f} s per step ({chosen.tokens_per_second:,.0f} tokens/s predicted), "
                   f"gives up: {'; '.join(chosen.gives_up) or 'nothing'}"]
         if found.max_seq_len is not None:
-            lines.append(f"  longest seq_len that fits this plan at micro_batch 1: {_count(found.max_seq_len)}")
+            lines.append(f"  longest seq_len that fits this plan at micro_batch 1: {_count(found.max_seq_len)}"
+                         + _position_cap(result.cfg, found.max_seq_len))
             lines += _ladder_lines(found.seq_len_ladder)
         if found.max_micro_batch is not None:
             lines.append(f"  largest micro_batch that fits this plan at seq_len {chosen.cfg.data.seq_len}: "
@@ -341,6 +345,13 @@ def _count(value: int) -> str:
     return f"{value:,}" if value else "none"
 
 
+def _position_cap(cfg: RunConfig, longest: int) -> str:
+    """Says so when the longest seq_len is the model's position table, not the memory, talking."""
+    config = _model_config(cfg)
+    name, limit = next(((n, getattr(config, n)) for n in POSITIONS if getattr(config, n, None)), (None, None))
+    return f" (the model's {name}: memory would allow more)" if limit == longest else ""
+
+
 def _ladder_lines(ladder) -> list[str]:
     """What each memory saver buys: the longest seq_len as they are switched on one after another."""
     if not ladder:
@@ -358,19 +369,24 @@ def _ladder_lines(ladder) -> list[str]:
     return lines
 
 
-def write_config(result: Plan, path: str) -> RunConfig:
-    """Write the recommendation (or the described run) as a RunConfig YAML `memfit train` accepts."""
-    from pathlib import Path
-
-    cfg = result.recommendation.cfg if result.recommendation else result.cfg
-    if missing_weights(cfg.model):
-        # A shape without weights anywhere: the written run says outright that it starts from random ones.
-        cfg = cfg.updated({"model.init": "random"})
+def check_config_path(path: str) -> Path:
+    """The --write-config file, refused before any planning when it cannot be written there."""
     target = Path(path)
     if target.is_dir():
         raise MemfitError(f"--write-config {path}: is a folder; give a file name such as {target / 'plan.yaml'}")
     if not target.parent.is_dir():
-        raise MemfitError(f"--write-config {path}: folder {target.parent} does not exist")
+        raise MemfitError(f"--write-config {path}: folder {target.parent} does not exist; create it or give a path "
+                          "in an existing folder")
+    return target
+
+
+def write_config(result: Plan, path: str) -> RunConfig:
+    """Write the recommendation (or the described run) as a RunConfig YAML `memfit train` accepts."""
+    cfg = result.recommendation.cfg if result.recommendation else result.cfg
+    if missing_weights(cfg.model):
+        # A shape without weights anywhere: the written run says outright that it starts from random ones.
+        cfg = cfg.updated({"model.init": "random"})
+    target = check_config_path(path)
     try:
         target.write_text(cfg.to_yaml())
     except OSError as exc:

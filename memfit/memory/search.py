@@ -25,6 +25,7 @@ from memfit.memory.costs import METHOD_GIVES_UP, OPTIMIZERS, PRECISION_GIVES_UP,
 from memfit.memory.estimate import Estimate
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import ModelShape, model_shape
+from memfit.strategies.quantization import quant_shape_problem
 from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import format_bytes
 
@@ -210,11 +211,15 @@ def sequences_per_step(cfg: RunConfig) -> int:
 
 def _build(base: RunConfig, update: dict, model_config, gpus: int) -> RunConfig | list[str]:
     """The candidate, or why the trainer would refuse it: its config rules (checked on every
-    construction) and, on several GPUs, the launch rules."""
+    construction), layer shapes its quantization backend cannot take and, on several GPUs, the
+    launch rules."""
     try:
         cfg = base.updated(update, "planned config")
     except ConfigError as exc:
         return exc.problems
+    problem = quant_shape_problem(cfg, model_shape(model_config).linear)
+    if problem:
+        return [problem]
     if gpus > 1 or cfg.distributed.tensor_parallel > 1 or cfg.distributed.pipeline_parallel > 1:
         return launch_problems(cfg, gpus, model_config) or cfg
     return cfg

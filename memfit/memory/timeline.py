@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from memfit.errors import MemfitError, require
-from memfit.memory.chart import COLORS
+from memfit.memory.chart import COLORS, save_figure
 from memfit.memory.tracker import CATEGORIES
 
 TIMELINE_FILE = "memory_timeline.json"
@@ -40,13 +40,23 @@ def read_timeline(run_dir: Path) -> dict:
     if not path.is_file():
         raise MemfitError(f"{path} not found: is {run_dir} the output_dir of a finished memfit train run with "
                           "logging.track_memory: true?")
-    return json.loads(path.read_text())
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise MemfitError(f"{path}: cannot be read as a memory timeline ({exc}); run the training again to "
+                          "write it") from None
+    if not isinstance(record, dict) or not isinstance(record.get("samples"), list) or not all(
+            isinstance(s, dict) and {"phase", "by_category"} <= s.keys() for s in record["samples"]):
+        raise MemfitError(f"{path}: not a memory timeline memfit wrote (no samples with phase and by_category); "
+                          "run the training again to write it")
+    return record
 
 
-def timeline_chart(record: dict, path: Path, title: str = "memory timeline of the step with the highest peak") -> None:
+def timeline_chart(record: dict, path: Path, title: str = "memory timeline of the step with the highest peak",
+                   option: str = "memory timeline chart") -> None:
     """Stacked areas of live bytes by category, sample by sample; the phases shaded behind them;
     each phase's estimated peak as a dashed line across that phase."""
-    matplotlib = require("matplotlib", "the memory timeline chart")
+    matplotlib = require("matplotlib", option)
     matplotlib.use("Agg")  # files only, no display
     import matplotlib.pyplot as plt
 
@@ -72,8 +82,7 @@ def timeline_chart(record: dict, path: Path, title: str = "memory timeline of th
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120, option=option)
 
 
 def _phase_spans(phases: list[str | None]) -> list[tuple[str | None, int, int]]:

@@ -25,11 +25,12 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from torch import nn
 
 from memfit.config import ModelConfig, RunConfig, load_config
 from memfit.errors import MemfitError, require
-from memfit.models.loading import build_model, drop_tied_copies, has_weights
+from memfit.models.loading import build_model, drop_tied_copies, has_weights, load_saved_model
 from memfit.strategies.quantization import compute_dtype, dequantize_model, quantize_model
 
 log = logging.getLogger(__name__)
@@ -101,13 +102,31 @@ def base_state(peft_state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[
     return state
 
 
+def require_run_dir(run_dir: Path, command: str) -> None:
+    """Stop unless `run_dir` is the output_dir of a memfit run, saying which it is not."""
+    if not run_dir.exists():
+        raise MemfitError(f"{run_dir}: no such folder; {command} needs the output_dir of a memfit run")
+    if not run_dir.is_dir():
+        raise MemfitError(f"{run_dir}: is a file, not a folder; {command} needs the output_dir of a memfit run")
+    if not (run_dir / "run_config.yaml").is_file():
+        raise MemfitError(f"{run_dir}: no run_config.yaml here, so it is not a memfit run; {command} needs the "
+                          "output_dir of a memfit run")
+
+
+def load_adapter(peft, base: nn.Module, run_dir: Path) -> nn.Module:
+    """The run's adapter on its base; a damaged adapter file is one line naming it."""
+    try:
+        return peft.PeftModel.from_pretrained(base, run_dir)
+    except SafetensorError as exc:
+        raise MemfitError(f"{run_dir / 'adapter_model.safetensors'}: damaged or not safetensors ({exc}); restore "
+                          "the run folder, or train again") from None
+
+
 def load_base(run_dir: Path, cfg: RunConfig) -> nn.Module:
     """The base exactly as training saw it (dequantized when the run quantized it)."""
-    from transformers import AutoModelForCausalLM
-
     dtype = base_dtype(cfg)
     if (run_dir / BASE_DIR).is_dir():
-        return AutoModelForCausalLM.from_pretrained(run_dir / BASE_DIR, dtype=dtype)
+        return load_saved_model(run_dir / BASE_DIR, dtype)
     base = build_model(ModelConfig(**cfg.model.model_dump()), cfg.memory.attention, dtype=dtype)
     if cfg.quant.scheme != "none":
         quantize_model(base, cfg.quant.scheme, cfg.quant.backend, compute_dtype(cfg))
@@ -119,17 +138,16 @@ def merge_run(run_dir: str | Path, output: str | Path | None = None, overwrite: 
     """Merge the run's adapter into its base; write a full safetensors model. Returns the folder."""
     peft = require("peft", "memfit merge")
     run_dir = Path(run_dir)
+    require_run_dir(run_dir, "memfit merge")
     if not (run_dir / "adapter_config.json").is_file():
         raise MemfitError(f"{run_dir} holds no adapter (adapter_config.json): memfit merge needs the output_dir "
                           "of a method: lora or qlora run")
-    if not (run_dir / "run_config.yaml").is_file():
-        raise MemfitError(f"{run_dir} holds no run_config.yaml: memfit merge needs the output_dir of a memfit run")
     cfg = load_config(run_dir / "run_config.yaml")
     output = Path(output) if output else run_dir / MERGED_DIR
     if (output / "config.json").exists() and not overwrite:
         raise MemfitError(f"{output} already holds a model; choose another --output or pass --overwrite")
     base = load_base(run_dir, cfg)
-    merged = peft.PeftModel.from_pretrained(base, run_dir).merge_and_unload()
+    merged = load_adapter(peft, base, run_dir).merge_and_unload()
     merged = merged.to(base_dtype(cfg))
     output.mkdir(parents=True, exist_ok=True)
     merged.save_pretrained(output, safe_serialization=True)

@@ -1,8 +1,9 @@
 """A byte-level tokenizer that needs no download: ids 0-255 are bytes, then bos/eos/pad.
 
 It is a real `PreTrainedTokenizerFast`, so it saves and reloads like any Hugging Face
-tokenizer and carries a chat template. Used by the demo model and as the fallback for models
-built from a preset (which ship no tokenizer).
+tokenizer and carries a chat template. Used by memfit's own presets (the demo model) and by
+random-init models that ship no tokenizer; never for real weights, which learned other ids
+(memfit/models/loading.py `tokenizer_source`). Its 259 ids need a vocab_size of at least 259.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 def _byte_to_unicode_order() -> list[str]:
     """GPT-2's byte -> printable-character map, as a list indexed by byte value."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), ord("ÿ") + 1)))
     mapping, extra = {}, 0
     for b in range(256):
         if b in printable:

@@ -5,6 +5,9 @@ The order is the one QLoRA uses: quantize the base Linear layers (skipped when t
 loaded already quantized), prepare the quantized model for training (everything frozen; under a
 mixed or fp32 precision the remaining 16-bit parameters — norms, embeddings, head — upcast to fp32,
 under bf16-pure they stay bf16), then add the adapters.
+
+Every name in `lora.targets` must name a module of the model (peft's rule: the full module name or
+its last components); peft itself would drop an unknown one silently when another name matches.
 """
 
 from __future__ import annotations
@@ -13,13 +16,17 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from memfit.errors import MemfitError, require
 from memfit.strategies.quantization import compute_dtype, is_quantized, is_quantized_linear, quantize_model
 
 if TYPE_CHECKING:  # strategies read a config's fields but sit below memfit.config
     from memfit.config import RunConfig
+
+
+class LoraTargetError(MemfitError):
+    """A name in lora.targets that the model has no module for."""
 
 
 def apply_method(model: PreTrainedModel, cfg: RunConfig, device: torch.device | str | None = None) -> PreTrainedModel:
@@ -32,6 +39,7 @@ def apply_method(model: PreTrainedModel, cfg: RunConfig, device: torch.device | 
         model = model.to(device)
     if cfg.method == "full":
         return model
+    check_lora_targets(model, cfg.lora.targets)
     peft = require("peft", f"method: {cfg.method}")
     if cfg.quant.scheme != "none":
         quantize_model(model, cfg.quant.scheme, cfg.quant.backend, compute_dtype(cfg))
@@ -81,3 +89,33 @@ def modules_to_save(model: nn.Module, cfg: RunConfig) -> list[str]:
             raise MemfitError(f"{field}: {type(model).__name__} has no such module to train")
         names.append(by_id[id(module)].rsplit(".", 1)[-1])
     return names
+
+
+# Module types peft's LoRA can adapt: the names worth listing when a target is unknown.
+_ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def check_lora_targets(model: nn.Module, targets) -> None:
+    """Refuse any name in `targets` that matches no module the way peft matches (`name == t` or
+    `name` ends in `.t`), listing the names the model does have."""
+    if targets == "all-linear":
+        return
+    names = [name for name, _ in model.named_modules()]
+    unknown = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
+    if not unknown:
+        return
+    have = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                   if name and (isinstance(module, _ADAPTABLE) or type(module).__name__ == "Conv1D")})
+    raise LoraTargetError(f"lora.targets: {', '.join(map(repr, unknown))}: no such module in "
+                          f"{type(model).__name__}; its adaptable module names are {', '.join(have)} "
+                          "(or set lora.targets: all-linear)")
+
+
+def check_lora_targets_on_meta(model_config, cfg: RunConfig) -> None:
+    """check_lora_targets for cfg on a `meta` build of `model_config` (no memory): for the planner,
+    which resolves the targets from the architecture without building the model that trains."""
+    if cfg.method == "full" or cfg.lora.targets == "all-linear":
+        return
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.model.trust_remote_code)
+    check_lora_targets(model, cfg.lora.targets)

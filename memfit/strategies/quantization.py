@@ -16,6 +16,18 @@ Byte layout per quantized weight of N values (what the tracker and the planner c
   bitsandbytes int8     N * 1 B (int8) + rows * 4 B scale (fp32)
 (small tables are per layer; "64 B code table" is 16 fp32 values).
 
+Shapes (bitsandbytes 0.50.2, measured on a CPU with AVX512-BF16; nf4, nf4-dq, fp4 alike, fp32 or bf16):
+the training kernel (dequantize, then matmul) runs every shape, in training and in evaluation; int8 and
+torchao's NF4 run every shape too, except that torchao needs each weight's size to be a multiple of
+TORCHAO_BLOCK (`torchao_shape_problem`). What fails is bitsandbytes' CPU inference fast path: in eval mode
+under no_grad, on a CPU with AVX512-BF16, `Linear4bit` repacks its weight in place for a fused kernel
+that needs out_features % 32 == 0 and in_features % blocksize == 0 (the demo's down_proj, 352 -> 128,
+fails with "shape '[128, 5]' is invalid"), and the repacked layer then keeps using that kernel in
+training, which passes no gradient to its input (every adapter below it would stop learning). memfit
+keeps the training kernel (`keep_training_kernels`). CUDA has neither limit: its 4-bit matmul falls
+back to dequantize + matmul when in_features is not a multiple of the blocksize, and int8 to an fp32
+matmul when it is not a multiple of 4.
+
 Real models keep bitsandbytes' block scales in a `quant_state` object the module system does not
 see; `track_quant_state` registers them as non-persistent buffers so that `module.buffers()` (and
 with it the memory tracker and `.to()`) include them. Quantize on the target device: a later
@@ -140,15 +152,50 @@ def _is_fake(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, FakeTensor)
 
 
-def _linears_to_quantize(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    """Every nn.Linear except the output head (kept in high precision, as QLoRA does)."""
+def _linears_to_quantize(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear, str]]:
+    """(parent, attribute name, layer, full module name) of every nn.Linear except the output head
+    (kept in high precision, as QLoRA does)."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     found = []
-    for parent in model.modules():
+    for prefix, parent in model.named_modules():
         for name, child in parent.named_children():
             if type(child) is nn.Linear and child is not head:
-                found.append((parent, name, child))
+                found.append((parent, name, child, f"{prefix}.{name}" if prefix else name))
     return found
+
+
+# --- shapes a backend cannot quantize ----------------------------------------------------------
+
+def torchao_shape_problem(quant: str, linears) -> str | None:
+    """Why torchao cannot quantize these (name, in_features, out_features) layers, or None: its NF4
+    splits each weight into blocks of TORCHAO_BLOCK values and has no partial block."""
+    for name, in_f, out_f in linears:
+        if (in_f * out_f) % TORCHAO_BLOCK:
+            return (f"quant: {quant} with torchao needs every quantized weight to hold a multiple of {TORCHAO_BLOCK} "
+                    f"values; {name} is {out_f} x {in_f} ({in_f * out_f:,} values). Use quant.backend: bitsandbytes "
+                    "(it quantizes any shape), or method: lora without quant")
+    return None
+
+
+def quant_shape_problem(cfg, linears) -> str | None:
+    """Why `cfg`'s quantized base cannot be built for these (name, in_features, out_features) block
+    layers with the backend it would get here, or None (the planner's search skips such plans)."""
+    if cfg.method == "full" or cfg.quant.scheme == "none":
+        return None
+    try:
+        backend = choose_backend(cfg.quant.scheme, cfg.quant.backend)
+    except QuantizationError:
+        return None  # no backend at all: the build says so, naming what to install
+    return torchao_shape_problem(cfg.quant.scheme, linears) if backend == "torchao" else None
+
+
+def keep_training_kernels(model: nn.Module) -> None:
+    """Make bitsandbytes' 4-bit layers compute in evaluation as they do in training (see the module
+    docstring): their CPU inference fast path fails for common shapes and, once taken, leaves the
+    layer without an input gradient for the rest of the run."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):  # bitsandbytes' Linear4bit
+            module.support_avx512bf16_for_cpu = False
 
 
 # --- quantize --------------------------------------------------------------------------------------
@@ -164,9 +211,15 @@ def quantize_model(model: nn.Module, quant: str, backend: str = "auto",
         make = {"bitsandbytes": _bnb_linear, "torchao": _torchao_linear}[chosen]
         if any(p.device.type == "meta" for p in model.parameters()):
             make = {"bitsandbytes": _bnb_meta_linear, "torchao": _torchao_meta_linear}[chosen]
-        for parent, name, linear in _linears_to_quantize(model):
+        layers = _linears_to_quantize(model)
+        shapes = [(full, linear.in_features, linear.out_features) for _, _, linear, full in layers]
+        problem = torchao_shape_problem(quant, shapes) if chosen == "torchao" else None
+        if problem:  # before any layer changes
+            raise QuantizationError(problem)
+        for parent, name, linear, _ in layers:
             setattr(parent, name, make(linear, quant, dtype))
         log.info("quantized the base Linear layers to %s with %s", quant, chosen)
+    keep_training_kernels(model)  # also for a model loaded already quantized
     if quant == "int8":
         model.is_loaded_in_8bit = True  # tells peft to wrap with its bitsandbytes 8-bit LoRA layer
     elif any(type(m).__name__ == "Linear4bit" for m in model.modules()):
@@ -228,10 +281,7 @@ def _torchao_linear(linear: nn.Linear, quant: str, dtype: torch.dtype) -> nn.Lin
     weight = linear.weight.detach()
     # torchao groups scalers in blocks of 256 and needs the block count to divide evenly: small
     # layers (tests) use the largest power of two that does, which changes only the tiny fp32 part.
-    blocks = weight.numel() // TORCHAO_BLOCK
-    if weight.numel() % TORCHAO_BLOCK:
-        raise QuantizationError(f"quant: {quant} with torchao needs weights whose size is a multiple of "
-                                f"{TORCHAO_BLOCK}; a {tuple(weight.shape)} layer is not")
+    blocks = weight.numel() // TORCHAO_BLOCK  # a whole number: quantize_model checked the shapes
     scaler_block = TORCHAO_SCALER_BLOCK
     while blocks % scaler_block:
         scaler_block //= 2

@@ -12,9 +12,10 @@ import torch
 from tqdm.auto import tqdm
 
 from memfit.build import build_run
-from memfit.checkpoint import CHECKPOINTS_DIR, latest_step_name
+from memfit.checkpoint import CHECKPOINTS_DIR, keep_configured_hyperparameters, latest_step_name
 from memfit.config import RunConfig
 from memfit.data.loader import build_batch_stream
+from memfit.data.notes import DataNotes
 from memfit.distributed.checkpoint import unwrap
 from memfit.distributed.engine import Engine, make_engine
 from memfit.errors import MemfitError
@@ -22,13 +23,17 @@ from memfit.memory.planner import check_host_ram, resolve_budget
 from memfit.memory.report import MemoryReport
 from memfit.memory.timeline import write_timeline
 from memfit.memory.trace import trace_estimate
-from memfit.models.loading import check_weights, load_model_config, load_tokenizer
+from memfit.models.loading import check_tokenizer, check_weights, load_model_config, load_tokenizer
 from memfit.models.validate import check_model, model_where
 from memfit.models.merge import save_adapter_outputs
 from memfit.step import step_strategies, training_step
+from memfit.strategies.adapters import check_lora_targets_on_meta
+from memfit.train.error_log import ThreadErrorsToLog
 from memfit.train.evaluate import Evaluation
 from memfit.train.metrics import MetricsLog, OutputWriteError
-from memfit.train.output_dir import check_output_dir, planned_disk_bytes, prepare_output_dir, record_outputs
+from memfit.train.output_dir import (check_output_dir, planned_disk_bytes, prepare_output_dir, record_finished,
+                                     record_outputs, record_resumed_run)
+from memfit.train.run_lock import hold_output_dir
 from memfit.train.oom import OomRecovery, make_tracker, resolve_micro_batch, split_batches
 from memfit.train.schedule import make_scheduler
 from memfit.train.signals import StopOnSignal, TrainingStopped
@@ -64,18 +69,27 @@ class RunResult:
     losses: list[float]
     report: MemoryReport
     eval_losses: dict[int, float] = field(default_factory=dict)  # step -> eval loss, this run's evaluations
+    data_notes: DataNotes | None = None  # records read, truncated and dropped; a micro-batch smaller than asked
 
 
 def preflight(cfg: RunConfig) -> None:
     """What can be known wrong before the planner, the data and the model take time and memory."""
-    check_model(cfg, load_model_config(cfg.model)[0], model_where(cfg.model), int(os.environ.get("WORLD_SIZE", 1)))
+    model_config = load_model_config(cfg.model)[0]
+    check_model(cfg, model_config, model_where(cfg.model), int(os.environ.get("WORLD_SIZE", 1)))
+    check_lora_targets_on_meta(model_config, cfg)  # before the data loads: a typo'd target name stops the run
     check_weights(cfg.model)
     check_output_dir(cfg, planned_disk_bytes(cfg))
+    check_tokenizer(cfg.model)  # real weights need their own tokenizer; its ids must fit the embedding
     cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     check_host_ram(cfg, "cuda" if cuda else "cpu")  # activation offload's pinned host memory
 
 
 def train(cfg: RunConfig, progress: bool = True) -> RunResult:
+    with hold_output_dir(cfg):  # one run per output_dir, claimed before it is judged (run_lock.py)
+        return _train(cfg, progress)
+
+
+def _train(cfg: RunConfig, progress: bool) -> RunResult:
     preflight(cfg)
     engine = make_engine(resolve_budget(cfg))  # budget: the planner's choice; under torchrun, joins the group
     cfg = engine.cfg = resolve_micro_batch(engine.cfg, engine.device)  # auto: the largest that fits
@@ -87,7 +101,10 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
     model, optimizer, precision = run.model, run.optimizer, engine.precision(run.model, run.precision)
     scheduler = make_scheduler(engine.torch_optimizer(optimizer), cfg.optim, cfg.max_steps)
     out = engine.on_main_first(prepare_output_dir)
-    state = engine.resume(out, model, optimizer, scheduler, precision.scaler, stream)
+    with keep_configured_hyperparameters(engine.torch_optimizer(optimizer), scheduler):  # a resume may change lr
+        state = engine.resume(out, model, optimizer, scheduler, precision.scaler, stream)
+    if engine.is_main and cfg.resume:  # loaded: this run's settings and data are the record from now on
+        record_resumed_run(out, cfg)
     tracker = make_tracker(cfg)  # a MemoryBudget (OOM above memory_budget) when set
     strategies = step_strategies(cfg, device, optimizer, run.params)  # chunked loss, offload, optimizer in backward
     oom = OomRecovery.for_run(cfg)  # on OOM: finer micro-batches, same data, same step
@@ -98,7 +115,9 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
                desc="training", unit="step", disable=not (progress and engine.is_main))
     nonfinite_in_row, peak_shape = 0, None
     config = cfg.model_dump(mode="json")
-    with tracker, StopOnSignal() as stop, MetricsLog(out, cfg.logging.report_to, config, engine.is_main) as metrics:
+    # Threads' tracebacks go to errors.log, so that a failure ends with memfit's one-line message.
+    with (tracker, StopOnSignal() as stop, ThreadErrorsToLog(out),
+          MetricsLog(out, cfg.logging.report_to, config, engine.is_main) as metrics):
         tracker.tag_module(model)
         try:
             for step in bar:
@@ -120,12 +139,14 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
                          nonfinite_in_row, state.nonfinite_total)
                 if evaluation.due(step):
                     scores, keep = evaluation.run(step, model, strategies["loss_fn"], precision.autocast, tracker, device)
-                    log_eval(metrics, bar if progress and engine.is_main else None, step, scores)
+                    if scores is not None:  # None: it failed; the checkpoint below keeps the weights, then it stops
+                        log_eval(metrics, bar if progress and engine.is_main else None, step, scores)
                     if keep:  # sharded: every rank takes part
                         engine.save_final(model, tokenizer, out / "best")
                 check_finite(step, nonfinite_in_row, cfg, out)
-                # Checkpoint on schedule, at the end, or when asked to stop; never inside a non-finite streak.
-                if stop.requested or (not nonfinite_in_row and (step == cfg.max_steps or (
+                # Checkpoint on schedule, at the end, when asked to stop or after a failed evaluation; never
+                # inside a non-finite streak otherwise.
+                if stop.requested or evaluation.failure or (not nonfinite_in_row and (step == cfg.max_steps or (
                         cfg.checkpoints.every and step % cfg.checkpoints.every == 0))):
                     state.step, state.data = step, stream.state_dict()
                     saved = engine.save(out, state, model, optimizer, scheduler, precision.scaler)
@@ -134,13 +155,19 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
                 if stop.requested and step < cfg.max_steps:
                     raise TrainingStopped(f"{stop.name} received; checkpoint of step {step} saved in {saved}; "
                                           "continue with resume=true", stop.signum)
+                if evaluation.failure and step < cfg.max_steps:
+                    raise evaluation.failed(saved, finished=False)
         except OutputWriteError as exc:  # metrics or a sink could not be written: keep the work so far
             raise keep_work(exc, engine, out, state, step, stream, model, optimizer, scheduler, precision) from None
     report = measured_report(tracker, device, tracked=cfg.logging.track_memory)
     if cfg.logging.track_memory and engine.traced:  # the plan beside the measurement (trace.py)
         add_estimate(report, cfg, device, peak_shape)
     finish(engine, model, tokenizer, out, report, tracker.timeline)
-    return RunResult(out, state.losses, report, evaluation.losses)
+    if engine.is_main:  # a later resume=true up to this step has nothing to do
+        record_finished(out, max(state.step, cfg.max_steps))
+    if evaluation.failure:  # the last evaluation failed after the final model was written
+        raise evaluation.failed(saved, finished=True)
+    return RunResult(out, state.losses, report, evaluation.losses, stream.notes)
 
 
 def keep_work(exc: OutputWriteError, engine: Engine, out: Path, state, step: int, stream, model, optimizer,

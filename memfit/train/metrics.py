@@ -4,16 +4,24 @@ Every record is one JSON line in RUN_DIR/metrics.jsonl (the run's own history, r
 the tests); each numeric field also becomes a scalar in every sink of `report_to`, named
 `<prefix>/<field>` (train/loss, eval/loss, memory/activations_bytes, ...). Only the main process
 writes. A sink's package is imported when the sink is chosen, and its absence is an error naming it.
+
+A write that fails (disk full, file-size limit) is an OutputWriteError naming the file or sink, which
+the loop turns into "stopped at step N, this was kept". TensorBoard writes from a thread of its own:
+its failure reaches us as the thread's exception, re-raised by its next call, including `close`,
+which must not then replace the error the run is already stopping with.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import os
 from pathlib import Path
 
 from memfit.errors import MemfitError, require
+
+log = logging.getLogger(__name__)
 
 
 def default_sinks() -> list[str]:
@@ -43,7 +51,8 @@ class _TensorBoard:
         require("tensorboard", "report_to: tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=str(out / "tensorboard"))
+        self.where = out / "tensorboard"
+        self.writer = SummaryWriter(log_dir=str(self.where))
         self.writer.add_text("run_config", f"```\n{json.dumps(config, indent=2, default=str)}\n```")
 
     def log(self, values: dict[str, float], step: int) -> None:
@@ -54,12 +63,22 @@ class _TensorBoard:
         self.writer.flush()
 
     def close(self) -> None:
-        self.writer.close()
+        writers = list((self.writer.all_writers or {}).values())
+        try:
+            self.writer.close()  # flushes first: after its thread failed, that raises the thread's error
+        except OSError:
+            for writer in writers:  # still close each file, which waits for the thread to end
+                try:
+                    writer.close()
+                except OSError:
+                    pass
+            raise
 
 
 class _Wandb:
     def __init__(self, out: Path, config: dict):
         self.wandb = require("wandb", "report_to: wandb")
+        self.where = f"Weights & Biases ({out / 'wandb'})"
         self.run = self.wandb.init(project=os.environ.get("WANDB_PROJECT", "memfit"), dir=str(out), config=config,
                                    name=out.name)
 
@@ -76,6 +95,7 @@ class _Wandb:
 class _MLflow:
     def __init__(self, out: Path, config: dict):
         self.mlflow = require("mlflow", "report_to: mlflow")
+        self.where = "MLflow"
         self.mlflow.start_run(run_name=out.name)
         self.mlflow.log_params({k: str(v)[:250] for k, v in _flat(config).items()})  # MLflow's value limit
 
@@ -119,30 +139,49 @@ class MetricsLog:
             self.file = open(self.path if is_main else os.devnull, "a")
         except OSError as exc:
             raise OutputWriteError(f"cannot open {self.path}: {exc.strerror or exc}") from None
-        self.sinks = [_MAKERS[name](Path(out), config) for name in sinks] if is_main else []
+        self.sinks = []
+        for name in sinks if is_main else []:
+            try:
+                self.sinks.append(_MAKERS[name](Path(out), config))
+            except OSError as exc:
+                self.close()
+                raise OutputWriteError(f"report_to: {name}: cannot start writing in {out}: "
+                                       f"{exc.strerror or exc}") from None
 
     def write(self, record: dict, prefix: str = "train") -> None:
+        """Append `record`; an OutputWriteError names the file or sink that could not take it."""
+        step = record["step"]
         try:
             self.file.write(json.dumps(record) + "\n")
             self.file.flush()
-            values = scalars(record, prefix)
-            for sink in self.sinks:
-                sink.log(values, int(record["step"]))
-                sink.flush()
         except OSError as exc:  # disk full, file-size limit: the caller keeps the work and stops
-            raise OutputWriteError(f"writing the metrics of step {record['step']} to {self.path} failed: "
+            raise OutputWriteError(f"writing the metrics of step {step} to {self.path} failed: "
                                    f"{exc.strerror or exc}") from None
-
-    def close(self) -> None:
-        try:
-            self.file.close()
-        except OSError:  # the write that failed already said why
-            pass
+        values = scalars(record, prefix)
         for sink in self.sinks:
-            sink.close()
+            try:
+                sink.log(values, int(step))
+                sink.flush()  # TensorBoard: waits for its thread, so that its failure is this step's
+            except OSError as exc:
+                raise OutputWriteError(f"writing the metrics of step {step} to {sink.where} failed: "
+                                       f"{exc.strerror or exc}") from None
+
+    def close(self) -> list[str]:
+        """Close the file and every sink, even after one fails; what could not be closed."""
+        failed = []
+        for where, closing in [(self.path, self.file.close), *((sink.where, sink.close) for sink in self.sinks)]:
+            try:
+                closing()
+            except OSError as exc:  # the last buffered lines could not be written
+                failed.append(f"{where}: {exc.strerror or exc}")
+        return failed
 
     def __enter__(self) -> "MetricsLog":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        failed = self.close()
+        # While an error is on its way out, that error says what went wrong; otherwise training
+        # went well and its weights are still to be saved, so a lost last metrics line is a warning.
+        if failed and exc_type is None:
+            log.warning("the last metrics may be missing: closing %s failed", "; ".join(failed))

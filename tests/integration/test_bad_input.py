@@ -9,6 +9,7 @@ rows with:   MEMFIT_UPDATE_DOCS=1 .venv/bin/python -m pytest tests/integration/t
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import re
@@ -22,6 +23,7 @@ import yaml
 
 from memfit.cli import main
 from memfit.config import load_config
+from memfit.models.tokenizer import byte_tokenizer
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "reliability.md"
 BEGIN, END = "<!-- bad-input-table:begin -->", "<!-- bad-input-table:end -->"
@@ -76,6 +78,7 @@ def _pickled_weights(tmp: Path) -> list[str]:
     LlamaConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                 num_attention_heads=2).save_pretrained(folder)
     torch.save({"model.embed_tokens.weight": torch.zeros(1), "payload": Path}, folder / "pytorch_model.bin")
+    byte_tokenizer().save_pretrained(folder)
     return [f"model={folder}", "model.init=pretrained"]
 
 
@@ -142,6 +145,81 @@ def _damaged_checkpoint(tmp: Path) -> list[str]:
     return ["resume=true"]
 
 
+def _parquet_nulls(tmp: Path) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": pa.array(["ok", None], pa.string())}), tmp / "bad.parquet")
+    return [f"data.path={tmp / 'bad.parquet'}"]
+
+
+def _config_is_run_folder(tmp: Path) -> list[str]:
+    """`memfit train DIR` on a finished run's folder: the path the case passes as the config becomes one."""
+    text = (tmp / "config.yaml").read_text()
+    (tmp / "config.yaml").unlink()
+    (tmp / "config.yaml").mkdir()
+    (tmp / "config.yaml" / "run_config.yaml").write_text(text)
+    return []
+
+
+def _long_eval_data(tmp: Path) -> list[str]:
+    (tmp / "eval.jsonl").write_text("".join(json.dumps({"text": f"held-out record {i}, long enough to fill its row " * 3})
+                                            + "\n" for i in range(64)))
+    return [f"eval.data={tmp / 'eval.jsonl'}"]
+
+
+_HELD_FOLDERS: list[int] = []  # descriptors of folders a case keeps locked for the rest of the test process
+
+
+def _folder_in_use(tmp: Path) -> list[str]:
+    """tmp/run held by another memfit run: its lock taken (a second descriptor conflicts even in this
+    process) and its info file written, with fixed values so that the message is always the same."""
+    run = tmp / "run"
+    run.mkdir()
+    fd = os.open(run, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    _HELD_FOLDERS.append(fd)
+    (run / ".memfit-running.json").write_text(json.dumps({
+        "pid": 4242, "host": "gpu-box", "started": "2026-12-01 09:00:00 UTC",
+        "command": "memfit train config.yaml resume=true"}))
+    return []
+
+
+def _data_changed(tmp: Path) -> list[str]:
+    """A run whose recorded data identity says texts.jsonl had 1 byte: it changed since."""
+    run = _existing_run(tmp)
+    data = str(tmp / "texts.jsonl")
+    (run / "data_identity.json").write_text(json.dumps({"source": data, "files": {
+        data: {"bytes": 1, "mtime": 0.0, "sha256_ends": "0" * 64}}}))
+    return ["resume=true"]
+
+
+def _edited_model(tmp: Path, drop: str = "", add: dict | None = None, config: dict | None = None,
+                  tokenizer: bool = True, damage: bool = False) -> list[str]:
+    """A saved tiny model with memfit's byte tokenizer beside it, its checkpoint or config.json then edited."""
+    from safetensors.torch import load_file, save_file
+
+    folder = _saved_model(tmp)
+    if tokenizer:
+        byte_tokenizer().save_pretrained(folder)
+    weights = folder / "model.safetensors"
+    if drop or add:
+        state = {k: v for k, v in load_file(weights).items() if not (drop and k.startswith(drop))}
+        save_file({**state, **(add or {})}, weights, metadata={"format": "pt"})
+    if config:
+        (folder / "config.json").write_text(json.dumps({**json.loads((folder / "config.json").read_text()), **config}))
+    if damage:
+        weights.write_bytes(weights.read_bytes()[:weights.stat().st_size // 2])
+    return [f"model={folder}", "model.init=pretrained"]
+
+
+def _big_tokenizer(tmp: Path) -> list[str]:
+    tokenizer = byte_tokenizer()
+    tokenizer.add_tokens([f"<extra{i}>" for i in range(5)])
+    tokenizer.save_pretrained(tmp / "bigtok")
+    return _edited_model(tmp) + [f"model.tokenizer={tmp / 'bigtok'}"]
+
+
 CASES = [
     Case("unknown-field", "unknown config field `micro_bach=2`", ["micro_bach=2"], mentions=("micro_bach", "micro_batch")),
     Case("invalid-values", "two invalid values at once: `optim.lr=-1 precision=fp8`", ["optim.lr=-1", "precision=fp8"],
@@ -184,8 +262,12 @@ CASES = [
          setup=lambda t: _with_run(t), mentions=("run", "resume=true", "overwrite=true")),
     Case("resume-and-overwrite", "`resume=true overwrite=true` together", ["resume=true", "overwrite=true"],
          setup=lambda t: _with_run(t), mentions=("resume", "overwrite")),
-    Case("resume-other-run", "resume=true into a folder whose run used another lr", ["resume=true"],
-         setup=lambda t: _with_run(t, lr=0.1), mentions=("run_config.yaml", "lr: 0.1")),
+    Case("resume-other-run", "resume=true into a folder whose run used another seed", ["resume=true"],
+         setup=lambda t: _with_run(t, seed=5), mentions=("run_config.yaml", "seed: 5")),
+    Case("output-in-use", "output_dir in use by another memfit run (its lock held)", setup=_folder_in_use,
+         mentions=("<tmp>/run", "in use by another memfit run", "pid 4242", "gpu-box")),
+    Case("resume-data-changed", "resume=true after the training data file changed", setup=_data_changed,
+         mentions=("texts.jsonl", "bytes, had 1", "resume_data_changed=continue")),
     Case("resume-damaged", "resume=true when every checkpoint is damaged", setup=_damaged_checkpoint,
          mentions=("step-00000001", "damaged")),
     Case("disk-full", "disk full while writing the checkpoint of step 2 (simulated ENOSPC)",
@@ -233,6 +315,81 @@ CASES = [
     Case("prefetch-without-checkpointing", "`memory.activation_offload_prefetch=true` without full checkpointing",
          ["memory.activation_offload=true", "memory.activation_offload_prefetch=true"],
          mentions=("memory.activation_offload_prefetch", "memory.checkpointing: full")),
+    Case("data-null-text", "JSONL record with `\"text\": null`",
+         setup=lambda t: _data(t, '{"text": "ok"}\n{"text": null}\n'), mentions=("bad.jsonl:2", "'text' is null")),
+    Case("data-number-output", "alpaca record whose `output` is a number",
+         setup=lambda t: _data(t, '{"instruction": "a", "output": "b"}\n{"instruction": "c", "output": 7}\n', "alpaca"),
+         mentions=("bad.jsonl:2", "'output' is a number (7)")),
+    Case("data-null-chat-content", "chat message with `\"content\": null`",
+         setup=lambda t: _data(t, '{"messages": [{"role": "user", "content": "hi"}, '
+                                  '{"role": "assistant", "content": null}]}\n', "chat"),
+         mentions=("bad.jsonl:1", "'messages[1].content' is null")),
+    Case("data-null-parquet", "Parquet file with a null in its `text` column", setup=_parquet_nulls,
+         mentions=("bad.parquet: row 1", "'text' is null")),
+    Case("lora-unknown-target", "an unknown name among `lora.targets`: `lora.targets=[q_proj,qproj]`",
+         ["method=lora", "lora.targets=[q_proj,qproj]"],
+         mentions=("lora.targets", "'qproj'", "no such module", "q_proj, up_proj, v_proj")),
+    Case("config-list", "config file whose top level is a list (`- a`)", setup=lambda t: _cfg_file(t, "- a\n"),
+         mentions=("config.yaml", "top level must be a mapping", "got a list")),
+    Case("config-scalar", "config file that holds one number (`42`)", setup=lambda t: _cfg_file(t, "42\n"),
+         mentions=("config.yaml", "top level must be a mapping", "got a number (42)")),
+    Case("config-is-run-folder", "a run's folder given as the config (`memfit train RUN_DIR`)",
+         setup=_config_is_run_folder, mentions=("is a folder", "resume=true", "config.yaml/run_config.yaml")),
+    Case("budget-no-unit", "`budget=24` (a size without a unit)", ["budget=24"],
+         mentions=("budget", "has no unit", "24GiB (2^30 bytes)", "24GB (10^9 bytes)")),
+    Case("budget-unknown-unit", "`budget=24G` (not a unit memfit reads)", ["budget=24G"],
+         mentions=("budget", "unknown unit 'G'", "GiB")),
+    Case("limit-no-unit", "`memory.limit=1000000` (a size without a unit)", ["memory.limit=1000000"],
+         mentions=("memory.limit", "has no unit")),
+    Case("tensorboard-disk-full", "disk full while TensorBoard (the default sink) writes step 2's events "
+         "(simulated ENOSPC)", ["logging.report_to=[tensorboard]"],
+         mentions=("tensorboard", "No space left on device", "checkpoint of step 2 saved", "resume=true"),
+         new_files_ok=True),
+    Case("eval-out-of-memory", "evaluation needing more than `memory.limit` (`eval.micro_batch=64 memory.limit=14MiB`)",
+         ["eval.every=1", "eval.micro_batch=64", "memory.limit=14MiB"], setup=_long_eval_data,
+         mentions=("evaluation at step 1 failed", "memory.limit", "step-00000001", "lower eval.micro_batch",
+                   "resume=true"), new_files_ok=True),
+    Case("torchao-shape", "`quant.backend=torchao` on a model whose MLP weights hold 1,056 values (not a multiple of 64)",
+         ["method=qlora", "quant.scheme=nf4", "quant.backend=torchao", "model.init=random"],
+         setup=lambda t: _model_dir(t, "odd", {**TINY_LLAMA, "intermediate_size": 33}),
+         mentions=("torchao", "mlp.gate_proj", "33 x 32", "quant.backend: bitsandbytes")),
+    Case("model-weights-missing", "saved model whose checkpoint lacks a layer's tensors (`model.layers.0.*` deleted)",
+         setup=lambda t: _edited_model(t, drop="model.layers.0."),
+         mentions=("mymodel", "model.layers.* (9 tensors) missing", "model.new_weights")),
+    Case("model-more-layers", "model config.json with more layers than its weights hold",
+         setup=lambda t: _edited_model(t, config={"num_hidden_layers": 2}),
+         mentions=("mymodel", "model.layers.1.* (9 tensors) missing")),
+    Case("model-weights-unexpected", "checkpoint holding a tensor the model has no place for",
+         setup=lambda t: _edited_model(t, add={"v_head.weight": torch.zeros(1, 32)}),
+         mentions=("v_head.weight unexpected", "model.dropped_weights")),
+    Case("model-weights-shape", "model config.json whose sizes disagree with the weights (`intermediate_size`)",
+         setup=lambda t: _edited_model(t, config={"intermediate_size": 96}),
+         mentions=("mymodel", "is 64x32 in the checkpoint but 96x32 in the model")),
+    Case("model-weights-damaged", "truncated model.safetensors",
+         setup=lambda t: _edited_model(t, damage=True), mentions=("mymodel/model.safetensors", "damaged")),
+    Case("model-no-tokenizer", "folder of real weights without tokenizer files",
+         setup=lambda t: _edited_model(t, tokenizer=False),
+         mentions=("mymodel", "no tokenizer", "tokenizer.json", "model.tokenizer")),
+    Case("tokenizer-missing", "`model.tokenizer` pointing at a folder that does not exist",
+         ["model.tokenizer=/nonexistent/tokenizer"], setup=_edited_model,
+         mentions=("model.tokenizer", "/nonexistent/tokenizer", "does not exist")),
+    Case("tokenizer-too-big", "`model.tokenizer` with more token ids than the model's vocab_size",
+         setup=_big_tokenizer, mentions=("model.tokenizer", "264 token ids", "vocab_size", "259")),
+    Case("byte-tokenizer-vocab", "random-init model whose vocab_size (200) is below the byte tokenizer's 259 ids",
+         ["model.init=random"], setup=lambda t: _model_dir(t, "small", {**TINY_LLAMA, "vocab_size": 200}),
+         mentions=("small/config.json", "vocab_size is 200", "259")),
+    Case("model-not-transformer", "a saved mamba config (no attention heads)", ["model.init=random"],
+         setup=lambda t: _model_dir(t, "mamba", {"model_type": "mamba", "vocab_size": 259, "hidden_size": 32,
+                                                 "num_hidden_layers": 2}),
+         mentions=("mamba", "num_attention_heads", "memfit trains decoder transformers")),
+    Case("model-heads-split", "model config.json whose heads do not divide the hidden size", ["model.init=random"],
+         setup=lambda t: _model_dir(t, "heads", {**TINY_LLAMA, "hidden_size": 30, "num_attention_heads": 4}),
+         mentions=("heads/config.json", "hidden size (30)", "attention heads (4)")),
+    Case("model-kv-heads", "model config.json whose key/value heads do not divide the heads", ["model.init=random"],
+         setup=lambda t: _model_dir(t, "kv", {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 3}),
+         mentions=("kv/config.json", "num_key_value_heads (3) must divide num_attention_heads (4)")),
+    Case("weights-lists-random", "`model.new_weights` with `model.init=random`",
+         ["model.init=random", "model.new_weights=[lm_head.*]"], mentions=("new_weights", "init: pretrained")),
 ]
 
 
@@ -254,6 +411,27 @@ def _fill_disk_on_step_2(monkeypatch) -> None:
         real(path, data)
 
     monkeypatch.setattr(checkpoint, "_write_bytes", write)
+
+
+def _fail_tensorboard_on_step_2(monkeypatch) -> None:
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    from memfit.train.metrics import MetricsLog
+
+    full = {"now": False}
+    real_record, real_write = RecordWriter.write, MetricsLog.write
+
+    def record(self, data):  # TensorBoard's writer thread appending to its event file
+        if full["now"]:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real_record(self, data)
+
+    def write(self, record: dict, prefix: str = "train") -> None:
+        full["now"] = full["now"] or (record.get("step") == 2 and prefix == "train")
+        real_write(self, record, prefix)
+
+    monkeypatch.setattr(RecordWriter, "write", record)
+    monkeypatch.setattr(MetricsLog, "write", write)
 
 
 def _fail_metrics_on_step_2(monkeypatch) -> None:
@@ -294,6 +472,8 @@ def run_case(case: Case, tmp: Path, capsys, monkeypatch) -> tuple[int, str]:
         _fill_disk_on_step_2(monkeypatch)
     if case.id == "metrics-write-fails":
         _fail_metrics_on_step_2(monkeypatch)
+    if case.id == "tensorboard-disk-full":
+        _fail_tensorboard_on_step_2(monkeypatch)
     for name, value in case.env.items():
         monkeypatch.setenv(name, value)
     if case.env:

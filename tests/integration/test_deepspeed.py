@@ -135,6 +135,7 @@ def _metrics(run_dir: Path, key: str) -> list[float]:
 def runs(tmp_path_factory):
     """Write data, config and JSON files; run the single-process references and every DeepSpeed run."""
     from memfit.models.loading import build_model
+    from memfit.models.tokenizer import byte_tokenizer
     from memfit.train.loop import train
 
     root = tmp_path_factory.mktemp("deepspeed")
@@ -151,6 +152,7 @@ def runs(tmp_path_factory):
     saved = root / "saved"  # a local model folder with safetensors weights (a seed the preset runs do not use)
     torch.manual_seed(1)
     build_model(load_config(config).model).save_pretrained(saved, safe_serialization=True)
+    byte_tokenizer().save_pretrained(saved)  # real weights train only with their own tokenizer
     paths = {"shipped": SHIPPED}
     for name, content in USER_JSON.items():
         paths[name] = root / f"{name}.json"

@@ -134,8 +134,8 @@ def test_resume_refuses_a_different_run_and_a_contradiction(tmp_path):
     cfg, _ = config(settings, tmp_path / "run")
     loop.train(cfg, progress=False)
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
-    with pytest.raises(MemfitError, match=r"describes a different run \(optim.lr: 0.003 there, 0.1 now\)"):
-        loop.train(config(settings, tmp_path / "run", "resume=true", "optim.lr=0.1")[0], progress=False)
+    with pytest.raises(MemfitError, match=r"describes a different run \(data.seq_len: 48 there, 64 now\)"):
+        loop.train(config(settings, tmp_path / "run", "resume=true", "data.seq_len=64")[0], progress=False)
     with pytest.raises(MemfitError, match="set only one"):
         loop.train(config(settings, tmp_path / "run", "resume=true", "overwrite=true")[0], progress=False)
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before

@@ -60,8 +60,7 @@ def is_adapter(name: str) -> bool:
 
 @torch.no_grad()
 def logits(model, batch=None) -> torch.Tensor:
-    """Logits in train mode (no dropout in these models): bitsandbytes' 4-bit layers switch to a
-    repacked bf16 CPU kernel in eval mode, which also fails for in_features not a multiple of 64."""
+    """Logits in train mode (no dropout in these models), the mode the training loss is computed in."""
     model.train()
     return model(input_ids=(batch or fixed_batch(seed=7))["input_ids"]).logits.float()
 

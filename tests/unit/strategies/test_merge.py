@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.models.loading import build_model
+from memfit.models.tokenizer import byte_tokenizer
 from memfit.strategies.quantization import quantized_loading
 from memfit.train.loop import train
 
@@ -53,6 +54,7 @@ def test_cli_merge_dequantizes_a_real_quantized_base(tiny_config, tmp_path, caps
     torch.manual_seed(0)
     LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=4)).save_pretrained(tmp_path / "base")
+    byte_tokenizer().save_pretrained(tmp_path / "base")  # real weights train only with their own tokenizer
     cfg = tiny_config(method="qlora", quant="nf4", compute_dtype="fp32", model=str(tmp_path / "base"), **FAST)
     out = train(cfg, progress=False).output_dir
     assert not (out / "base_model").exists()

@@ -70,7 +70,7 @@ def test_oom_in_training_halves_micro_batch_and_loses_nothing(tiny_config, tmp_p
     peak_4 = _peak(tiny_config, overwrite=True, micro_batch=4, grad_accum=2)
     assert peak_4 < peak_8
     budget = (peak_4 + peak_8) // 2  # micro_batch 8 cannot fit, 4 can
-    cfg = tiny_config(max_steps=steps, overwrite=True, micro_batch=8, memory_budget=budget)
+    cfg = tiny_config(max_steps=steps, overwrite=True, micro_batch=8, memory_budget=f"{budget}B")
     recovered = train(cfg, progress=False)
     # Same data in the same order, same effective batch: the same losses step by step.
     assert recovered.losses == pytest.approx(plain.losses, rel=1e-4)
