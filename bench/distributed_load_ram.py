@@ -8,6 +8,7 @@ the model built (and, ds_zero3, already partitioned) but none of DeepSpeed's opt
 which it allocates eagerly there (fp32 master copy, gradient partition, Adam states).
 
     .venv/bin/python bench/distributed_load_ram.py [--layers 8 --hidden 1024]
+    .venv/bin/python bench/distributed_load_ram.py --layers 3 --hidden 64 --engines ddp   # smallest run
 
 Each run is `torchrun --nproc-per-node 2 -m memfit train` for one step on a random-init Llama
 written to a temporary folder; every rank records its peak RSS right after the model is
@@ -78,13 +79,15 @@ def run(model_dir: Path, out: Path, engine: str) -> list[dict]:
     script.write_text(DS_SCRIPT.format(full=engine == "ds_zero3_full", out=str(out)))
     entry = [str(script)] if engine.startswith("ds_") else ["-m", "memfit"]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(port),
-               *entry, "train", str(ROOT / "memfit/configs/demo.yaml"), f"model={model_dir}",
+               *entry, "train", str(ROOT / "memfit/configs/demo.yaml"), f"model={model_dir}", "model.init=random",
                f"output_dir={out}", "overwrite=true", *(o.format(ds_json=ds_json) for o in ENGINES[engine]),
                "max_steps=1", "batch.micro_batch=1",
+               "eval.fraction=0", "eval.every=0", "eval.save_best=false",  # 8 records leave none to hold out
                "data.seq_len=256", "data.limit=8", "checkpoints.every=0", "device=cpu", "optim.name=adamw", "precision=fp32", "--no-progress"]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    if result.returncode:
-        sys.exit(result.stderr[-3000:])
+    if result.returncode:  # memfit's own message first: torchrun's traceback that follows it says little
+        errors = "\n".join(line for line in result.stderr.splitlines() if line.startswith("memfit: error"))
+        sys.exit(f"{engine} failed:\n{errors}\n{result.stderr[-3000:]}")
     ranks = json.loads((out / "distributed_memory.json").read_text())["ranks"]
     for rank, record in enumerate(ranks):
         build = out / f"build-rss-rank{rank}.json"
@@ -108,6 +111,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES), metavar="ENGINE",
+                        help=f"engines to run (default all: {', '.join(ENGINES)})")
     args = parser.parse_args()
     mib = 2**20
     base_name, big_name = f"baseline ({BASE_LAYERS} layers)", f"{args.layers} layers"
@@ -117,7 +122,7 @@ def main() -> None:
             model_dir = Path(tmp) / f"model-{layers}"
             model_dir.mkdir()
             (model_dir / "config.json").write_text(json.dumps(llama_config(layers, args.hidden)))
-            for engine in ENGINES:
+            for engine in args.engines:
                 ranks = run(model_dir, Path(tmp) / f"out-{layers}-{engine}", engine)
                 rows[(name, engine)] = [r["load_peak_rss_bytes"] for r in ranks]
                 if engine.startswith("ds_"):
@@ -133,8 +138,10 @@ def main() -> None:
           f"fp32 weights ({blocks_bytes / mib:.0f} MiB):")
     for rank in (0, 1):
         delta = {e: rows[(big_name, e)][rank] - rows[(base_name, e)][rank] for n, e in rows if n == big_name}
-        print(f"rank {rank}: " + ", ".join(f"{e} {d / mib:.0f} MiB ({d / blocks_bytes:.2f}x blocks, "
-                                          f"{d / max(delta['ddp'], 1):.2f}x ddp)" for e, d in delta.items()))
+        ddp = delta.get("ddp")  # the side-by-side ratio needs the ddp run (--engines may leave it out)
+        print(f"rank {rank}: " + ", ".join(f"{e} {d / mib:.0f} MiB ({d / blocks_bytes:.2f}x blocks"
+                                          + (f", {d / max(ddp, 1):.2f}x ddp)" if ddp is not None else ")")
+                                          for e, d in delta.items()))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Per-rank memory of every distributed engine, measured next to the planner's estimate.
 
     .venv/bin/python bench/distributed_memory.py
+    .venv/bin/python bench/distributed_memory.py --engines ddp      # smallest run: one engine
 
 Same set-up as tests/integration/test_distributed.py: tiny Llama, fixed-length text (64 tokens
 per sequence), 3 steps, 2 gloo ranks on the CPU; data-parallel engines take micro_batch 1 per
@@ -12,6 +13,7 @@ single-process run.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
@@ -43,6 +45,11 @@ dist.barrier(); dist.destroy_process_group(); os._exit(0)
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", nargs="+", default=list(ENGINES), choices=list(ENGINES), metavar="ENGINE",
+                        help=f"engines to run (default all: {', '.join(ENGINES)})")
+    args = parser.parse_args()
+    engines = {name: ENGINES[name] for name in args.engines}
     from memfit.config import load_config
     from memfit.memory.distributed_estimate import rank_estimate
     from memfit.train.loop import train
@@ -56,11 +63,12 @@ def main() -> None:
             for _ in range(48):
                 f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(80))}) + "\n")
         config = root / "run.yaml"
-        config.write_text("max_steps: 3\nmicro_batch: 2\nseq_len: 64\nlog_every: 1\nsave_every: 0\nlr: 0.001\n"
-                          "warmup_steps: 0\nlr_schedule: constant\nmax_grad_norm: 100.0\ndevice: cpu\n"
-                          f"overwrite: true\ndata:\n  path: {root / 'data.jsonl'}\n  format: text\n")
-        names = {name: name.replace(" ", "").replace("+", "_") for name in ENGINES}
-        (root / "engines.txt").write_text("".join(f"{names[n]} {' '.join(o)}\n" for n, o in ENGINES.items()))
+        config.write_text("max_steps: 3\ndevice: cpu\noverwrite: true\nbatch:\n  micro_batch: 2\n"
+                          "logging:\n  every: 1\ncheckpoints:\n  every: 0\n"
+                          "optim:\n  lr: 0.001\n  warmup_steps: 0\n  schedule: constant\n  max_grad_norm: 100.0\n"
+                          f"data:\n  path: {root / 'data.jsonl'}\n  format: text\n  seq_len: 64\n")
+        names = {name: name.replace(" ", "").replace("+", "_") for name in engines}
+        (root / "engines.txt").write_text("".join(f"{names[n]} {' '.join(o)}\n" for n, o in engines.items()))
         (root / "worker.py").write_text(WORKER)
         single = train(load_config(config, [f"output_dir={root / 'single'}"]), progress=False)
         with socket.socket() as s:
@@ -79,7 +87,7 @@ def main() -> None:
               "difference |")
         print("|---|---|---|---|---|")
         print(f"| single process | {measured / mib:.2f} | {estimate / mib:.2f} | {estimate / measured:.3f} | - |")
-        for name, overrides in ENGINES.items():
+        for name, overrides in engines.items():
             out = root / names[name]
             ranks = json.loads((out / "distributed_memory.json").read_text())["ranks"]
             peaks = [r["measured_peak_bytes"] for r in ranks]

@@ -73,7 +73,8 @@ def measure(args) -> dict:
     torch.set_num_threads(2)
     folder = Path(tempfile.mkdtemp(prefix="memfit-rss-"))
     model_dir, data = write_model_and_data(folder, args.layers, args.hidden)
-    cfg = load_config(None, [f"model={model_dir}", f"data.path={data}", "data.format=text", "max_steps=2",
+    cfg = load_config(None, [f"model={model_dir}", "model.init=random", f"data.path={data}", "data.format=text",
+                             "max_steps=2",
                              "device=cpu", f"batch.micro_batch={args.micro_batch}", f"data.seq_len={args.seq_len}",
                              f"precision={args.precision}", f"optim.name={args.optimizer}", "optim.warmup_steps=0",
                              f"output_dir={folder / 'run'}"])
@@ -110,7 +111,9 @@ def main() -> None:
     runs = {}
     for name, env in (("glibc defaults", {}), ("MALLOC_MMAP_THRESHOLD_=131072", {"MALLOC_MMAP_THRESHOLD_": "131072"})):
         done = subprocess.run([sys.executable, __file__, "--child", *sys.argv[1:]], env={**os.environ, **env},
-                              capture_output=True, text=True, check=True)
+                              capture_output=True, text=True)
+        if done.returncode:
+            sys.exit(f"the {name} child failed:\n{done.stderr[-3000:]}")
         runs[name] = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
     first = next(iter(runs.values()))
     print(f"model: {args.layers} layers, hidden {args.hidden}, {first['params'] / 1e6:.1f}M parameters; "

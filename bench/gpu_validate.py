@@ -2,6 +2,7 @@
 
     python bench/gpu_validate.py docs/gpu_validation.md [--model meta-llama/Llama-3.2-1B] [--steps 3]
     python bench/gpu_validate.py docs/gpu_long_context.md --long-context [--model meta-llama/Llama-3.1-8B]
+    python bench/gpu_validate.py /tmp/gpu_check.md --configs 1 --steps 1      # smallest run
 
 For each configuration: build the model from its preset config (random init, no download), apply
 memfit's strategies exactly as `memfit train` does, run a few optimizer steps on full-length random
@@ -49,7 +50,7 @@ def run_one(overrides: list[str], steps: int) -> dict:
     from memfit.models.loading import load_model_config
     from memfit.step import step_strategies
 
-    cfg = load_config(None, overrides + ["device=cuda"])
+    cfg = load_config(None, overrides + ["model.init=random", "device=cuda"])
     plan = analytic_estimate(cfg, load_model_config(cfg.model)[0], device="cuda")
     device = torch.device("cuda")
     gc.collect()
@@ -137,6 +138,7 @@ def main() -> int:
     parser.add_argument("output", help="markdown file to write")
     parser.add_argument("--model", default="meta-llama/Llama-3.2-1B")
     parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--configs", type=int, default=len(CONFIGS), help="run only the first N configurations")
     parser.add_argument("--long-context", action="store_true", help="the long-context case (see the docstring)")
     parser.add_argument("--max-seconds", type=float, default=90.0, help="--long-context: stop after a step this long")
     args = parser.parse_args()
@@ -158,7 +160,7 @@ def main() -> int:
         print(f"wrote {args.output}")
         return 0
     rows = []
-    for overrides in CONFIGS:
+    for overrides in CONFIGS[:args.configs]:
         words = [f"model={args.model}", *overrides.split()]
         try:
             r = run_one(words, args.steps)

@@ -3,6 +3,7 @@ costs in step time (the planner's cost model), and on CPU the tracker's measured
 planner's at 1k-8k tokens for each strategy mix.
 
     .venv/bin/python bench/long_context.py [--lengths 1024,2048,4096,8192] [--out docs/long_context_results.md]
+    .venv/bin/python bench/long_context.py --lengths 64,128 --mixes plain     # smallest run
 
 Part 1 plans (analytic engine, no GPU) `memfit plan meta-llama/Llama-3.1-8B --budget 24GiB --method qlora
 --seq-len 98304 --micro-batch 1 --host-ram 128GiB --max-seq-len` and prints its ladder: the chosen plan
@@ -102,13 +103,15 @@ def cost_rows(chosen) -> list[str]:
     return rows
 
 
-def cpu_rows(lengths: list[int]) -> list[str]:
+def cpu_rows(lengths: list[int], mixes: list[str]) -> list[str]:
     folder = Path(tempfile.mkdtemp(prefix="memfit-long-"))
     (folder / "config.json").write_text(json.dumps(TINY_LLAMA_SHAPE))
     head = " | ".join(f"{n:,}: measured / planned" for n in lengths)
     rows = [f"| mix | {head} | slope measured / planned (B per token) |",
             "|---|" + "---:|" * (len(lengths) + 1)]
-    for name, words in CPU_MIXES.items():
+    for name in mixes:
+        words = CPU_MIXES[name]
+
         def config(n: int):
             return load_config(None, [f"model={folder}", "model.init=random", "device=cpu", "batch.micro_batch=1",
                                       f"data.seq_len={n}", *words])
@@ -129,13 +132,15 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,2048,4096,8192")
     parser.add_argument("--budget", default="24GiB")
     parser.add_argument("--host-ram", default="128GiB")
-    parser.add_argument("--out", default=None, help="also write the two tables to this file")
+    parser.add_argument("--mixes", nargs="+", default=list(CPU_MIXES), choices=list(CPU_MIXES), metavar="MIX",
+                        help="part 3's strategy mixes (default all; quote names with spaces)")
+    parser.add_argument("--out", default=None, help="also write the three tables to this file")
     args = parser.parse_args()
     torch.set_num_threads(2)
     started = time.perf_counter()
     chosen, ladder = ladder_rows(args.budget, args.host_ram)
     costs = cost_rows(chosen)
-    measured = cpu_rows([int(n) for n in args.lengths.split(",")])
+    measured = cpu_rows([int(n) for n in args.lengths.split(",")], args.mixes)
     text = "\n\n".join("\n".join(rows) for rows in (ladder, costs, measured))
     text += f"\n\n({time.perf_counter() - started:.0f} s)\n"
     if args.out:

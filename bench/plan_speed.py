@@ -6,6 +6,7 @@ Prints wall time and this process's CPU time for each, side by side, and the pro
 for a core; CPU time is the work itself.
 
     .venv/bin/python bench/plan_speed.py [--model meta-llama/Llama-2-70b-hf] [--seq-len 2048]
+    .venv/bin/python bench/plan_speed.py --model memfit/tiny-llama --seq-len 64     # smallest run
 """
 
 from __future__ import annotations

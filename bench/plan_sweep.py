@@ -1,6 +1,7 @@
 """Analytic sweep: time 500 configurations of the closed-form engine (target: under 2 s).
 
     .venv/bin/python bench/plan_sweep.py [--count 500]
+    .venv/bin/python bench/plan_sweep.py --count 5     # smallest run
 
 Presets x precisions x optimizers x checkpointing x methods x micro-batches x sequence lengths,
 estimated one by one (the model shapes are read once per model, as the planner does).
@@ -32,7 +33,8 @@ def main() -> None:
     shapes_s = time.perf_counter() - started
     grid = itertools.product(MODELS, ("bf16-mixed", "bf16-pure", "fp32"), ("adamw", "adamw-8bit"),
                              ("none", "full", "every-2"), ("full", "lora", "qlora"), (1, 2, 4, 8), (512, 2048))
-    cases = [RunConfig(model=m, precision=p, optimizer=o, checkpointing=c, method=me, micro_batch=b, seq_len=s)
+    cases = [RunConfig(model={"name": m}, precision=p, optim={"name": o}, memory={"checkpointing": c}, method=me,
+                       batch={"micro_batch": b}, data={"seq_len": s})
              for m, p, o, c, me, b, s in itertools.islice(grid, args.count)]
     started = time.perf_counter()
     peaks = [analytic_estimate(cfg, configs[cfg.model.name]).peak_allocated_bytes for cfg in cases]

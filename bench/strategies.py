@@ -7,6 +7,8 @@ Configurations (same model, data, batch and sequence length):
 Runs are interleaved round-robin so machine noise hits every configuration alike.
 
     .venv/bin/python bench/strategies.py --rounds 2 --steps 4 --write docs/strategies.md
+    .venv/bin/python bench/strategies.py --rounds 1 --steps 2 --micro-batch 1 --seq-len 32 --layers 1 --hidden 64 \
+        --vocab 512                                  # smallest run (step 1 is not timed: 2 steps at least)
 """
 
 from __future__ import annotations
@@ -36,11 +38,12 @@ CONFIGS = {
 }
 
 
-def write_model(folder: Path) -> int:
-    """A ~58M-parameter Llama (8 layers, hidden 512, 32k vocab), config only: random init."""
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=2048,
-                         tie_word_embeddings=False, bos_token_id=256, eos_token_id=257, pad_token_id=258)
+def write_model(folder: Path, layers: int, hidden: int, vocab: int) -> int:
+    """A Llama config only (random init); the defaults make it ~58M parameters (8 layers, hidden 512, 32k vocab)."""
+    config = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 11 // 4,
+                         num_hidden_layers=layers, num_attention_heads=hidden // 64, num_key_value_heads=hidden // 64,
+                         max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=256, eos_token_id=257,
+                         pad_token_id=258)
     config.save_pretrained(folder)
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
@@ -57,7 +60,8 @@ def write_data(path: Path, rows: int = 64) -> None:
 
 
 def run_once(name: str, overrides: list[str], model_dir: Path, data: Path, out: Path, args) -> dict:
-    cfg = load_config(None, [f"model={model_dir}", f"data.path={data}", "data.format=text", f"output_dir={out}",
+    cfg = load_config(None, [f"model={model_dir}", "model.init=random", f"data.path={data}", "data.format=text",
+                             f"output_dir={out}",
                              "overwrite=true", f"max_steps={args.steps}", f"batch.micro_batch={args.micro_batch}",
                              f"data.seq_len={args.seq_len}", "logging.every=1", "optim.warmup_steps=0", "device=cpu", *overrides])
     result = train(cfg, progress=False)
@@ -72,12 +76,17 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=4, help="optimizer steps per run (the first is not timed)")
     parser.add_argument("--micro-batch", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=512, help="a multiple of 64 (heads of 64)")
+    parser.add_argument("--vocab", type=int, default=32000, help="at least 259 (memfit's byte-level tokenizer)")
     parser.add_argument("--write", type=Path, help="write the markdown results here (e.g. docs/strategies.md)")
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps: at least 2 (the first step is not timed)")
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        params = write_model(tmp / "model")
+        params = write_model(tmp / "model", args.layers, args.hidden, args.vocab)
         write_data(tmp / "data.jsonl")
         results = {name: {"peak_bytes": [], "by_category": None, "step_times": []} for name in CONFIGS}
         for round_index in range(args.rounds):
@@ -105,11 +114,14 @@ def main() -> int:
                      f"| {step:.2f} s | {step / base_time:.2f}x |")
     table = "\n".join(lines)
     header = (f"Measured {datetime.date.today()} on {platform.machine()} CPU ({torch.get_num_threads()} threads), "
-              f"torch {torch.__version__}; model: Llama, {params / 1e6:.1f}M parameters, micro-batch "
+              f"torch {torch.__version__}; model: Llama, {params / 1e6:.1f}M parameters ({args.layers} layers, hidden "
+              f"{args.hidden}, vocab {args.vocab}), micro-batch "
               f"{args.micro_batch} x {args.seq_len} tokens, {args.rounds} interleaved rounds x {args.steps} steps.\n"
               f"Command: `.venv/bin/python bench/strategies.py --rounds {args.rounds} --steps {args.steps} "
               f"--micro-batch {args.micro_batch} --seq-len {args.seq_len}"
-              f"{' --write ' + str(args.write) if args.write else ''}`\n")
+              + "".join(f" --{name} {getattr(args, name)}" for name in ("layers", "hidden", "vocab")
+                        if getattr(args, name) != parser.get_default(name))
+              + f"{' --write ' + str(args.write) if args.write else ''}`\n")
     print(header + "\n" + table)
     if args.write:
         text = args.write.read_text() if args.write.exists() else ""

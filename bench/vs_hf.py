@@ -21,6 +21,7 @@ a second, 2-step memfit run with the tracker on gives the tracked peak.
 
     .venv/bin/python bench/vs_hf.py                 # all strategies, 8 steps each
     .venv/bin/python bench/vs_hf.py --steps 4 --strategies full lora
+    .venv/bin/python bench/vs_hf.py --steps 2 --strategies full    # smallest run
     BENCH_THREADS=1 .venv/bin/python bench/vs_hf.py --repeats 3   # on a shared machine (docs/vs_hf.md)
 
 BENCH_THREADS (default 2) sets torch's intra-op threads. When other processes load the cores, two
@@ -75,11 +76,13 @@ def run_memfit(model_dir: str, strategy: str, steps: int, track: bool) -> dict:
     checkpointing, lora = STRATEGIES[strategy]
     with tempfile.TemporaryDirectory() as out:
         cfg = build_config({
-            "model": model_dir, "data": {"path": "builtin:demo", "format": "alpaca"}, "output_dir": out,
-            "method": "lora" if lora else "full", "lora": LORA, "checkpointing": "full" if checkpointing else "none",
-            "precision": "fp32", "optimizer": "adamw", "micro_batch": MICRO_BATCH, "seq_len": SEQ_LEN, "lr": LR,
-            "warmup_steps": 0, "max_steps": steps, "log_every": 1, "save_every": 0, "seed": SEED,
-            "track_memory": track, "device": "cpu"})
+            "model": {"name": model_dir, "init": "random"},  # config-only folder: the same random init as HF's
+            "data": {"path": "builtin:demo", "format": "alpaca", "seq_len": SEQ_LEN}, "output_dir": out,
+            "method": "lora" if lora else "full", "lora": LORA,
+            "memory": {"checkpointing": "full" if checkpointing else "none"}, "precision": "fp32",
+            "optim": {"name": "adamw", "lr": LR, "warmup_steps": 0}, "batch": {"micro_batch": MICRO_BATCH},
+            "max_steps": steps, "logging": {"every": 1, "track_memory": track}, "checkpoints": {"every": 0},
+            "seed": SEED, "device": "cpu"})
         result = train(cfg, progress=False)
         lines = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return {"tokens_per_s": rate([l["tokens"] for l in lines], [l["step_time_s"] for l in lines]),
@@ -201,6 +204,8 @@ def main() -> None:
     parser.add_argument("--worker", nargs=2, metavar=("TOOL", "STRATEGY"), help=argparse.SUPPRESS)
     parser.add_argument("--model-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.steps < 2:
+        parser.error("--steps: at least 2 (speed is measured over steps 2..N)")
     if args.worker:
         worker(*args.worker, args.steps, args.model_dir, args.trl_loss)
         return

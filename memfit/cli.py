@@ -42,7 +42,7 @@ def cmd_train(args) -> int:
         _print_summary(result)
     from memfit.distributed.launch import exit_process
 
-    exit_process(0)  # torchrun ranks end with os._exit after the teardown (DESIGN.md); no-op otherwise
+    exit_process(0)  # torchrun ranks end with os._exit after the teardown (distributed/launch.py); else no-op
     return 0
 
 
@@ -86,7 +86,9 @@ def cmd_plan(args) -> int:
     import json
 
     from memfit.config import load_config
-    from memfit.memory.planner import check_config_path, parse_budget, plan, plan_text, write_config
+    from memfit.memory.fits import machine_ram_bytes
+    from memfit.memory.plan_text import plan_text
+    from memfit.memory.planner import check_config_path, parse_budget, plan, write_config
     from memfit.strategies.table import STEP_STRATEGIES
 
     # Sizes and output paths are checked first: a typo should not cost the planning work.
@@ -115,8 +117,6 @@ def cmd_plan(args) -> int:
     cfg = load_config(args.config, overrides)
     device = args.device or ("cpu" if cfg.device == "cpu" else "cuda")
     if host_ram is None and args.host_ram is None:
-        from memfit.memory.planner import machine_ram_bytes
-
         host_ram = machine_ram_bytes()
     result = plan(args.model, cfg, budget, gpus=args.gpus, engine=args.engine, device=device,
                   gpu=args.gpu, margin=margin, max_micro_batch=args.max_micro_batch, max_seq_len=args.max_seq_len,

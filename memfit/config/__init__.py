@@ -18,19 +18,19 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 from memfit.config.deepspeed import deepspeed_problems
 from memfit.config.distributed import config_problems
 from memfit.errors import MemfitError
-from memfit.strategies.optimizers import optimizer_problems
+from memfit.strategies.optimizers import OPTIMIZERS, optimizer_problems
 from memfit.strategies.quantization import quant_problems
 from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import parse_bytes
 
 # The choices of every enumerated setting, defined once: fields, the CLI and the planner read them here.
 Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]
-Optimizer = Literal["adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion", "lion-8bit", "sgd"]
+Optimizer = Literal[OPTIMIZERS]  # the optimizer table (memfit/strategies/optimizers.py)
 Attention = Literal["eager", "sdpa", "flash"]
 Method = Literal["full", "lora", "qlora"]
 Quant = Literal["none", "nf4", "nf4-dq", "fp4", "int8"]
 Sharding = Literal["none", "ddp", "zero1", "zero2", "zero3"]
-Offload = Literal["none", "optimizer", "params", "all"]
+Offload = Literal["none", "params", "all"]
 
 log = logging.getLogger(__name__)
 _CHECKPOINTING = re.compile(r"^(none|full|every-[1-9][0-9]*)$")
@@ -357,7 +357,8 @@ class RunConfig(_Section):
     def _cross_field_rules(self) -> "RunConfig":
         """Every rule between fields, on every construction (YAML, command line, planner copies)."""
         problems = (config_problems(self) + deepspeed_problems(self) + quant_problems(self)
-                    + optimizer_problems(self) + eval_problems(self))
+                    + optimizer_problems(self.optim.name, self.optim.backend, self.logging.track_memory)
+                    + eval_problems(self))
         for strategy in STEP_STRATEGIES:
             if getattr(self.memory, strategy.name):
                 problems += strategy.problems(self)
@@ -400,7 +401,9 @@ class RunConfig(_Section):
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
 
 
-# The flat keys of earlier releases and where each lives now. Accepted for one release, with a warning.
+# Flat keys (`lr: 1e-4`, `micro_batch=2`): a setting's bare name and the sectioned path it stands for. They
+# load, with a warning naming the sectioned key, so that configs, command lines and saved run_config.yaml
+# files (read again by resume=true) that use them keep working; many of the test suite's configs use them.
 RENAMED = {
     "seq_len": "data.seq_len", "packing": "data.packing", "merge": "lora.merge",
     "quant_backend": "quant.backend", "compute_dtype": "quant.compute_dtype",
@@ -442,7 +445,7 @@ def move_flat_keys(raw: dict, source: str = "config") -> dict:
     if problems:
         raise ConfigError(problems, source)
     if moved:
-        log.warning("%s: flat keys are deprecated and will stop working in the next release; use the sectioned "
+        log.warning("%s: flat keys are deprecated and stop working in memfit 0.2.0; use the sectioned "
                     "keys: %s", source, ", ".join(moved))
     return result
 
@@ -602,7 +605,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Ru
     raw = move_flat_keys(read_yaml(path), source) if path else {}
     moved = [item for item in overrides if item.partition("=")[0] in RENAMED]
     if moved:  # a flat override replaces the sectioned value of the YAML, as its new key would
-        log.warning("command line: flat keys are deprecated and will stop working in the next release; use %s",
+        log.warning("command line: flat keys are deprecated and stop working in memfit 0.2.0; use %s",
                     ", ".join(RENAMED[item.partition("=")[0]] for item in moved))
         overrides = [_renamed_override(item) for item in overrides]
     return build_config(apply_overrides(raw, list(overrides)), source)

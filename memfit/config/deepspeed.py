@@ -25,6 +25,7 @@ import math
 from pathlib import Path
 
 from memfit.errors import MemfitError
+from memfit.strategies.optimizers import OPTIMIZER_ENTRIES
 from memfit.strategies.table import STEP_STRATEGIES
 
 AUTO = "auto"
@@ -33,7 +34,7 @@ _HIDDEN_SIZE_AUTO = {("zero_optimization", "reduce_bucket_size"): lambda h: h * 
                      ("zero_optimization", "stage3_prefetch_bucket_size"): lambda h: int(0.9 * h * h),
                      ("zero_optimization", "stage3_param_persistence_threshold"): lambda h: 10 * h}
 # Client optimizers DeepSpeed's ZeRO can flatten and partition (plain torch.optim states).
-CLIENT_OPTIMIZERS = ("adamw", "sgd")
+CLIENT_OPTIMIZERS = tuple(entry.name for entry in OPTIMIZER_ENTRIES if entry.deepspeed_client)
 
 
 def read_json(path: str) -> tuple[dict | None, list[str]]:

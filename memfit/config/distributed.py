@@ -12,6 +12,7 @@ Two levels:
 from __future__ import annotations
 
 from memfit.errors import MemfitError
+from memfit.strategies.optimizers import optimizer_entry
 
 FSDP2_STAGES = ("zero2", "zero3")
 # Module names the tensor-parallel plan shards; models whose blocks lack them are refused.
@@ -30,11 +31,6 @@ def config_problems(cfg) -> list[str]:
     if offload != "none" and sharding not in FSDP2_STAGES:
         problems.append(f"distributed.offload: {offload} needs distributed.sharding: zero2 or zero3 (FSDP2's "
                         f"CPUOffloadPolicy); sharding is {sharding}")
-    if offload == "optimizer":
-        problems.append("distributed.offload: optimizer alone is not offered by FSDP2 (its CPUOffloadPolicy moves "
-                        "parameters, "
-                        "gradients and the optimizer step together): use distributed.offload: all, or DeepSpeed's "
-                        "offload_optimizer through a DeepSpeed config")
     if tp > 1 and pp > 1:
         problems.append("tensor_parallel and pipeline_parallel together (2D/3D parallel) are not supported yet: "
                         "set one of them to 1")
@@ -52,7 +48,7 @@ def config_problems(cfg) -> list[str]:
     if cfg.precision == "fp16-mixed" and (sharding in FSDP2_STAGES or tp > 1 or pp > 1):
         problems.append("precision: fp16-mixed's loss scaler does not handle sharded (DTensor) gradients here: "
                         "use bf16-mixed or bf16-pure")
-    if cfg.optim.name not in ("adamw", "sgd", "lion", "adafactor") and (sharding in FSDP2_STAGES or tp > 1):
+    if not optimizer_entry(cfg.optim.name).on_dtensor and (sharding in FSDP2_STAGES or tp > 1):
         problems.append(f"optim.name: {cfg.optim.name} keeps quantized states that cannot follow sharded (DTensor) "
                         "parameters: use optim.name: adamw with zero2/zero3 or tensor_parallel")
     if pp > 1 and cfg.optim.max_grad_norm is not None:

@@ -32,6 +32,11 @@ import shutil
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.tensor import DTensor
 
 from memfit.checkpoint import CheckpointError, newest_intact, write_manifest
 from memfit.distributed.launch import DistContext, gather_to_main
@@ -51,15 +56,11 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _is_zero1(optimizer) -> bool:
+    # Imported here: torch.distributed.optim takes about half a second to import, which runs without
+    # a distributed engine should not pay.
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     return isinstance(optimizer, ZeroRedundancyOptimizer)
-
-
-def _states_by_name(model, optimizer) -> bool:
-    """ZeRO-1 partitions and pipeline stages each hold the optimizer state of their own parameters
-    only, which DCP's optimizer support cannot describe: those are saved per parameter by name."""
-    return _is_zero1(optimizer) or hasattr(model, "stage_state_dict")
 
 
 def _local_optimizer(optimizer):
@@ -87,8 +88,6 @@ def _named_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
 
 
 def _state(model, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
     if hasattr(model, "stage_state_dict"):  # pipeline stage: its own part of the model
         return {"model": model.stage_state_dict(), "optim_by_name": _named_optimizer_state(model, optimizer)}
     if _is_zero1(optimizer):
@@ -124,8 +123,6 @@ def write_checkpoint_folder(root: Path, prefix: str, step: int, keep: int, write
     its RNG state there; once all are done rank 0 renames the folder to its final name and keeps the
     newest `keep` complete ones. `write` writes TRAINER last on rank 0: it marks a folder complete;
     the manifest of every rank's files follows once all have written."""
-    import torch.distributed as dist
-
     rank = dist.get_rank()
     final, tmp = root / f"{prefix}{step:08d}", root / f".tmp-{prefix}{step:08d}"
     if rank == 0:
@@ -156,8 +153,6 @@ def newest_good_checkpoint(root: Path, prefix: str = PREFIX) -> Path | None:
     """Collective: the newest complete checkpoint under `root` that matches its manifest, the same on
     every rank (rank 0 reads the files and sets damaged newer ones aside, see `newest_intact`; when
     every one is damaged each rank raises the same CheckpointError)."""
-    import torch.distributed as dist
-
     shared = [None, None]  # chosen folder, or the refusal every rank raises
     if dist.get_rank() == 0:
         try:
@@ -180,8 +175,6 @@ def restore_rank_rng(path: Path, rank: int) -> None:
 
 def save_sharded(out: Path, step: int, trainer: dict, model, optimizer, ctx: DistContext, keep: int = 2) -> Path:
     """Collective: every rank calls this with the same step. Returns the checkpoint folder."""
-    import torch.distributed.checkpoint as dcp
-
     def write(folder: Path, rank: int) -> None:
         dcp.save(_state(model, optimizer), checkpoint_id=str(folder / "state"))
         if rank == 0:
@@ -195,8 +188,6 @@ def save_sharded(out: Path, step: int, trainer: dict, model, optimizer, ctx: Dis
 
 def load_sharded(path: Path, model, optimizer, ctx: DistContext) -> dict:
     """Collective: restore model and optimizer (re-sharded to this run's ranks); returns trainer state."""
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
     path = Path(path)
     if not (path / TRAINER).exists():
         raise MemfitError(f"{path} is not a complete sharded checkpoint (no {TRAINER})")
@@ -231,8 +222,6 @@ def load_trainer(path: Path) -> dict:
 
 def full_state_dict(model, ctx: DistContext) -> dict[str, torch.Tensor]:
     """Collective: the whole model's weights on rank 0's CPU, names as in the unwrapped model; {} elsewhere."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     if hasattr(model, "full_state_dict"):  # pipeline: stages send their parts to rank 0
         return model.full_state_dict()
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -244,8 +233,6 @@ def save_final(model, tokenizer, out: Path, ctx: DistContext) -> dict[str, torch
     Returns the gathered full state on rank 0 when the parameters are shards (FSDP2: a LoRA run's
     frozen base exists whole only there); None elsewhere and for replicas (DDP/zero1), whose own
     modules still hold every weight, quantized ones included, for the caller to read directly."""
-    from torch.distributed.tensor import DTensor
-
     sharded_params = any(isinstance(p, DTensor) for p in model.parameters())
     state = full_state_dict(model, ctx)
     if not ctx.is_main:
@@ -260,8 +247,6 @@ def save_final(model, tokenizer, out: Path, ctx: DistContext) -> dict[str, torch
 
 def write_rank_memory(ctx: DistContext, out: Path, report, load_rss_bytes: int) -> list[dict]:
     """Collective: every rank's measured peak, gathered into `distributed_memory.json` by rank 0."""
-    import json
-
     mine = {"rank": ctx.rank, "measured_peak_bytes": report.measured_peak_bytes,
             "measured_by_category_bytes": report.measured_by_category,
             "process_peak_rss_bytes": report.process_peak_rss_bytes, "load_peak_rss_bytes": load_rss_bytes,

@@ -30,6 +30,7 @@ gathers one layer at a time onto rank 0 first. The weights are the engine's modu
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import os
@@ -37,6 +38,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 from memfit.checkpoint import TrainerState
 from memfit.distributed.checkpoint import TRAINER, newest_good_checkpoint, restore_rank_rng, write_checkpoint_folder
@@ -60,15 +62,11 @@ def initialize(model: torch.nn.Module, optimizer_factory, cfg, ctx, device: torc
         raise MemfitError("precision: fp16-mixed with deepspeed needs CUDA (DeepSpeed's CPU accelerator has no "
                           "fp16): use precision: bf16-mixed or fp32 on the CPU")
     deepspeed = require("deepspeed", "distributed.deepspeed: (training from a DeepSpeed JSON config)")
-    import torch.distributed as dist
-
     if not dist.is_initialized():  # one process without torchrun: DeepSpeed still wants a process group
         for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500"), ("RANK", "0"),
                            ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
             os.environ.setdefault(key, value)
         deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
-        import atexit
-
         atexit.register(lambda: dist.is_initialized() and dist.destroy_process_group())
     config = resolved_config(cfg, dist.get_world_size(), getattr(getattr(model, "config", None), "hidden_size", None))
     if loads_from_rank0(cfg, ctx):
@@ -114,7 +112,6 @@ def partition_from_rank0(model: torch.nn.Module, config: dict, device: torch.dev
     ZeRO parameters, converts nothing more, and uses them as built here (dtype, offload device:
     the same settings it would have used). Buffers are not partitioned: broadcast whole."""
     import deepspeed
-    import torch.distributed as dist
     from deepspeed.runtime.zero.partition_parameters import is_zero_param
 
     deepspeed.init_distributed(dist_backend=dist.get_backend())  # joins the existing group: ZeRO counts its ranks
@@ -224,8 +221,6 @@ def torch_optimizer(optimizer):
 
 def save_deepspeed(out: Path, state, engine, scheduler, keep: int = 2) -> Path:
     """Collective: every rank calls this with the same step. Returns the checkpoint folder."""
-    import torch.distributed as dist
-
     def write(folder: Path, rank: int) -> None:
         engine.save_checkpoint(str(folder), tag="state", client_state={}, save_latest=False)
         if rank == 0:
@@ -239,8 +234,6 @@ def save_deepspeed(out: Path, state, engine, scheduler, keep: int = 2) -> Path:
 
 def load_deepspeed(path: Path, engine, scheduler) -> dict:
     """Collective: DeepSpeed restores weights, optimizer shards and its counters; returns trainer.json."""
-    import torch.distributed as dist
-
     path = Path(path)
     trainer = json.loads((path / TRAINER).read_text())
     with deepspeed_loads_weights_only(engine):  # DeepSpeed itself would unpickle anything
@@ -256,8 +249,6 @@ def load_deepspeed(path: Path, engine, scheduler) -> dict:
 
 def full_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """Collective: the whole model's weights on rank 0's CPU; None on other ranks."""
-    import torch.distributed as dist
-
     if engine.zero_optimization_partition_weights():  # ZeRO-3: gathered one layer at a time onto rank 0
         # Private, but it is what Hugging Face Accelerate calls for the same job.
         return engine._zero3_consolidated_16bit_state_dict()
@@ -278,8 +269,6 @@ def save_final(engine, tokenizer, out: Path) -> None:
 
 def resume(resume: bool, out: Path, engine, scheduler, stream) -> TrainerState:
     """Collective: the trainer state of the newest complete DeepSpeed checkpoint (a fresh one if none)."""
-    import torch.distributed as dist
-
     found = newest_good_checkpoint(Path(out) / "checkpoints", PREFIX) if resume else None
     if found is None:
         if resume:

@@ -26,15 +26,20 @@ tokens never attend to the padding after them, and padded positions carry no los
 
 from __future__ import annotations
 
+import copy
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
 
 from memfit.distributed.launch import DistContext
 from memfit.distributed.modules import place
 from memfit.errors import MemfitError
 
+# torch.distributed.pipelining is imported where a pipeline is built: it takes about 2 s to import, which
+# the planner (it reads this module's stage split) and runs without pipeline parallel should not pay.
 IGNORE_INDEX = -100
 
 
@@ -76,8 +81,6 @@ class PipelineModel(torch.nn.Module):
         pipe_stage = PipelineStage(stage, ctx.rank, ctx.world_size, device)
         self.schedule = ScheduleGPipe(pipe_stage, n_microbatches=cfg.batch.micro_batch, loss_fn=self._loss,
                                       scale_grads=False)  # the loss is already divided by the step's targets
-        import torch.distributed as dist
-
         # Every rank must take part in creating a group, even those outside it.
         self._tie_group = dist.new_group([0, ctx.world_size - 1]) if tied else None
 
@@ -98,8 +101,6 @@ class PipelineModel(torch.nn.Module):
         return self.stage.embed_tokens.weight if self.first else self.stage.lm_head.weight if self.last else None
 
     def forward(self, input_ids, labels, attention_mask=None, num_items_in_batch=None, **_):
-        import torch.distributed as dist
-
         if "position_ids" in _:
             raise MemfitError("pipeline_parallel does not support packed batches (data.packing: true) yet")
         self._targets = float(num_items_in_batch or 1)
@@ -124,8 +125,6 @@ class PipelineModel(torch.nn.Module):
     @property
     def hf_model(self) -> torch.nn.Module:
         """A weightless (meta) Hugging Face model of the whole network, for save_pretrained."""
-        from transformers import AutoModelForCausalLM
-
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(self.hf_config)
 
@@ -138,8 +137,6 @@ class PipelineModel(torch.nn.Module):
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Collective: every stage's weights gathered on rank 0 (CPU), Hugging Face names."""
-        import torch.distributed as dist
-
         mine = {k: v.detach().cpu() for k, v in self.stage_state_dict().items()}
         if self.tied and self.last:
             mine.pop("lm_head.weight", None)  # the first stage's copy is the one saved
@@ -171,8 +168,6 @@ def _stage_of(model: torch.nn.Module, stages: int, stage: int,
     """Stage `stage` of `model` (sharing its modules), its parameter names in the Hugging Face
     model, and whether the embeddings are tied to lm_head. `own`: the stage this rank trains
     (a tied lm_head gets its own copy); otherwise a view for rank 0 to send from (no copy)."""
-    import copy
-
     prefix = getattr(model, "base_model_prefix", "model")
     decoder = getattr(model, prefix)
     blocks = list(decoder.layers)
@@ -210,8 +205,6 @@ def load_stages_from_rank0(model: torch.nn.Module, part: _Stage, ctx: DistContex
     them, so rank 0's peak stays at about the one full copy it built or loaded. The last stage's
     tied lm_head receives rank 0's embedding weights (the same values a single process ties).
     """
-    import torch.distributed as dist
-
     if ctx.rank != 0:
         with torch.no_grad():
             for tensor in _stage_tensors(part):

@@ -26,6 +26,13 @@ import inspect
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from memfit.build import trainable
 from memfit.distributed.deepspeed_engine import loads_from_rank0
@@ -68,8 +75,6 @@ def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.opti
 
 
 def _ddp(model, optimizer_factory, cfg, device):
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     model = place(model, device)
     # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
     wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
@@ -82,6 +87,8 @@ def _ddp(model, optimizer_factory, cfg, device):
 
 def _zero_redundancy(template: torch.optim.Optimizer, params: list) -> torch.optim.Optimizer:
     """ZeroRedundancyOptimizer around the same optimizer class and settings as `template`."""
+    # Imported here: torch.distributed.optim takes about half a second to import, which runs without
+    # zero1 should not pay.
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     cls = type(template)
@@ -96,11 +103,6 @@ def _zero_redundancy(template: torch.optim.Optimizer, params: list) -> torch.opt
 
 
 def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
-    import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
-
     follow_fsdp_storage()
 
     # Rank 0 keeps references to its full weights (and every buffer, rotary tables included,
@@ -111,7 +113,7 @@ def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
     if hasattr(model, "tie_weights"):  # moving to meta unties shared weights (embeddings/lm_head): tie again
         model.tie_weights()
     mesh = init_device_mesh(device.type, (ctx.world_size,))
-    offload = cfg.distributed.offload in ("params", "all")
+    offload = cfg.distributed.offload != "none"
     # pin_memory needs an accelerator; on a CPU-only machine the offload target is where the shards already are.
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
     reshard = cfg.distributed.sharding == "zero3"
@@ -149,9 +151,6 @@ def follow_fsdp_storage() -> None:
     no TorchDispatchMode sees, so a tracker would count them as alive for the whole step.
     This wraps those two helpers (once per process) to tell every active tracker the new size.
     """
-    from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
-
     if getattr(_fsdp_param.free_storage, "_memfit", False):
         return
 

@@ -23,6 +23,7 @@ from memfit.memory.single_device import (ALLOCATOR_SEGMENT_BYTES, _loss_buffer_b
                                          weights_bytes)
 from memfit.memory.tracker import CATEGORIES
 from memfit.models.loading import load_model_config
+from memfit.strategies.optimizers import optimizer_entry
 
 
 def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", gpus: int = 1) -> Estimate:
@@ -40,7 +41,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
     where, by_category = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     by_category = {c: int(by_category.get(c, 0)) for c in CATEGORIES}
     paged = 0
-    if device == "cuda" and cfg.optim.name == "paged-adamw-8bit":
+    if device == "cuda" and optimizer_entry(cfg.optim.name).paged:
         # bitsandbytes keeps paged states in CUDA unified memory, outside torch's allocator statistics
         paged, by_category["optimizer_states"] = by_category["optimizer_states"], 0
     allocated = sum(by_category.values())

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import ModelShape, trainable_params
+from memfit.strategies.optimizers import optimizer_entry
 from memfit.strategies.table import STEP_STRATEGIES
 
 # --- efficiency assumptions (fractions of the spec sheet a training step sustains) ----------------------
@@ -27,29 +28,6 @@ CPU_OPTIMIZER_BYTES_PER_S = 20e9  # an AdamW step on the host streams ~20 GB/s o
                                   # CPU Adam reports ~1-2 s per billion parameters on a server CPU)
 KERNEL_LAUNCH_SECONDS = 10e-6     # ~40 kernels per layer per micro-batch (forward + backward)
 KERNELS_PER_LAYER = 40
-
-
-@dataclass(frozen=True)
-class OptimizerCost:
-    """One optimizer: its state bytes per trainable parameter, and what the step streams."""
-    state_bytes_fp32: float    # per parameter, with fp32 parameters
-    state_bytes_16bit: float   # per parameter, with 16-bit parameters (torch keeps states in the param dtype)
-    foreach_scratch: bool      # torch's foreach step builds one scratch copy of the parameters
-    shards: bool               # runs on sharded (DTensor) parameters: FSDP2, tensor parallel
-    gives_up: str              # what it trades against AdamW, for the plan's table ("" = nothing)
-
-
-# 8-bit states carry one fp32 scale per 2048-value block (bitsandbytes blockwise quantization).
-OPTIMIZERS = {
-    "adamw": OptimizerCost(8.0, 4.0, True, True, ""),
-    "sgd": OptimizerCost(4.0, 2.0, True, True, "plain SGD with momentum"),
-    "lion": OptimizerCost(4.0, 2.0, False, True, "Lion sign updates (needs a smaller lr)"),
-    "adamw-8bit": OptimizerCost(2.0 + 8 / 2048, 2.0 + 8 / 2048, False, False, "8-bit Adam states"),
-    "paged-adamw-8bit": OptimizerCost(2.0 + 8 / 2048, 2.0 + 8 / 2048, False, False, "8-bit Adam states (paged)"),
-    "lion-8bit": OptimizerCost(1.0 + 4 / 2048, 1.0 + 4 / 2048, False, False, "8-bit Lion sign updates"),
-    # factored second moment: rows + columns per matrix (computed in analytic.optimizer_state_bytes)
-    "adafactor": OptimizerCost(0.0, 0.0, True, True, "Adafactor (factored second moment, no momentum)"),
-}
 
 
 @dataclass(frozen=True)
@@ -133,9 +111,8 @@ def step_time(terms, gpu: GPU, gpus: int = 1) -> dict[str, float]:
         terms["dequantize"] = shape.block_linear_params * quant.dequant_bytes * passes * micro_batches / memory_rate
 
     trainable = trainable_params(shape, cfg)
-    optimizer = OPTIMIZERS[cfg.optim.name]
     master = 4 if cfg.method != "full" else _weight_bytes(cfg)
-    states = optimizer.state_bytes_fp32 if master == 4 else optimizer.state_bytes_16bit
+    states = optimizer_entry(cfg.optim.name).state_bytes_per_value(master)
     data_parallel = max(gpus // model_parallel, 1)
     sharded = data_parallel if cfg.distributed.sharding in ("zero1", "zero2", "zero3") else 1
     per_rank = trainable / sharded / model_parallel

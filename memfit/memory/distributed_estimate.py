@@ -37,6 +37,7 @@ from memfit.memory.estimate import Estimate
 from memfit.memory.model_shape import adapted_linears, model_shape
 from memfit.memory.tracker import CATEGORIES
 from memfit.models.loading import load_model_config
+from memfit.strategies.optimizers import optimizer_entry
 
 CPU_OPTIMIZER_SCRATCH_TENSORS = 4  # torch's single-tensor AdamW: ~4 temporaries of the tensor updated
 
@@ -142,7 +143,7 @@ def _largest_tensor_bytes(shape, cfg, states: RankStates) -> int:
 
 
 def optimizer_scratch(shape, cfg, states: RankStates, device: str) -> int:
-    if cfg.optim.name not in ("adamw", "sgd", "adafactor"):
+    if not optimizer_entry(cfg.optim.name).foreach_scratch:  # 8-bit and Lion steps update block by block
         return 0
     if device == "cuda":  # foreach kernels: one scratch copy of the rank's trainable parameters
         return states.gradients

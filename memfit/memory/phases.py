@@ -8,7 +8,6 @@ bytes (tensors on the device) and host RAM bytes, per process.
 
 from __future__ import annotations
 
-from memfit.memory.costs import OPTIMIZERS
 from memfit.memory.model_shape import ModelShape, trainable_params
 
 
@@ -33,11 +32,8 @@ def load_phase(shape: ModelShape, cfg, weights: int, host_load: int, host_base: 
 def checkpoint_phase(shape: ModelShape, cfg, weights: int, states: int, host_base: int) -> dict[str, int]:
     """Saving a resumable checkpoint after an optimizer step: gradients are freed, the trainable
     weights and the optimizer states are copied to host RAM before they are written."""
-    trainable = trainable_params(shape, cfg)
     master = 4 if cfg.method != "full" or cfg.precision != "bf16-pure" else 2
-    cost = OPTIMIZERS[cfg.optim.name]
-    per = cost.state_bytes_fp32 if master == 4 else cost.state_bytes_16bit
-    host_copy = int(trainable * (master + per)) if cfg.optim.name != "adafactor" else trainable * master + states
+    host_copy = trainable_params(shape, cfg) * master + states
     return {"gpu": weights + states, "cpu_ram": host_base + host_copy}
 
 

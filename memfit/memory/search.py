@@ -21,17 +21,20 @@ from memfit.config import ConfigError, RunConfig
 from memfit.config.distributed import launch_problems
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
 from memfit.memory.single_device import StrategyTerms
-from memfit.memory.costs import METHOD_GIVES_UP, OPTIMIZERS, PRECISION_GIVES_UP, QUANTS, step_time
+from memfit.memory.costs import METHOD_GIVES_UP, PRECISION_GIVES_UP, QUANTS, step_time
 from memfit.memory.estimate import Estimate
+from memfit.memory.fits import FitRule, default_margin, largest_that_fits
 from memfit.memory.gpus import GPU
-from memfit.memory.model_shape import ModelShape, model_shape
+from memfit.memory.model_shape import ModelShape, adapted_linears, linear_leaf_names, model_shape
+from memfit.strategies.optimizers import OPTIMIZER_ENTRIES, optimizer_entry
 from memfit.strategies.quantization import quant_shape_problem
 from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import format_bytes
 
-GiB = 2**30
 CHECKPOINTING = ("none", "every-4", "every-2", "full")
-OPTIMIZERS_SEARCHED = ("adamw", "adamw-8bit", "paged-adamw-8bit", "adafactor", "lion-8bit")
+OPTIMIZERS_SEARCHED = tuple(entry.name for entry in OPTIMIZER_ENTRIES if entry.searched)
+# the leanest pre-check tries these: no one optimizer keeps the fewest bytes for every model
+OPTIMIZERS_LEAN = tuple(entry.name for entry in OPTIMIZER_ENTRIES if entry.lean)
 PRECISIONS_SEARCHED = ("bf16-mixed", "bf16-pure")  # fp16-mixed and fp32 only when asked for
 TIE = 0.05  # plans within 5% of the fastest step time count as equally fast: fidelity decides
 # config paths the search may choose; a value the user set is held fixed
@@ -50,12 +53,6 @@ SUMMARY = {"method": "method", "quant": "quant.scheme", "precision": "precision"
 SUMMARY_IF_SET = {"sharding": "distributed.sharding", "offload": "distributed.offload",
                   "tensor_parallel": "distributed.tensor_parallel", "pipeline_parallel": "distributed.pipeline_parallel"}
 # micro_batch x grad_accum is always re-split, holding the sequences per optimizer step the user asked for
-
-
-def default_margin(budget: int) -> int:
-    """Headroom kept free: 5% of the budget (the estimate's error against the tracker is -6%..+2%),
-    at least 1 GiB on a card of 10 GiB or more (fragmentation, a second process)."""
-    return int(max(0.05 * budget, min(GiB, 0.1 * budget)))
 
 
 @dataclass
@@ -139,7 +136,7 @@ def config_summary(cfg: RunConfig) -> dict:
 def gives_up(cfg: RunConfig) -> list[str]:
     """What a plan trades against full fine-tuning in bf16-mixed with AdamW and clipping."""
     out = [METHOD_GIVES_UP[cfg.method], QUANTS[cfg.quant.scheme].gives_up, PRECISION_GIVES_UP[cfg.precision],
-           OPTIMIZERS[cfg.optim.name].gives_up]
+           optimizer_entry(cfg.optim.name).gives_up]
     if cfg.optim.max_grad_norm is None:
         out.append("no gradient clipping")
     return [item for item in out if item]
@@ -185,18 +182,21 @@ def _fixed(cfg: RunConfig, fixed: set[str]) -> dict:
     return {path: cfg.get(path) for path in fixed}
 
 
-def _choices(cfg: RunConfig, device: str) -> dict[str, tuple]:
+def _choices(cfg: RunConfig, device: str, shape: ModelShape | None = None) -> dict[str, tuple]:
     """The values each inner dimension takes."""
     choices = {"precision": PRECISIONS_SEARCHED, "optim.name": OPTIMIZERS_SEARCHED,
                "memory.checkpointing": CHECKPOINTING}
     for strategy in STEP_STRATEGIES:
-        choices[strategy.path] = _tried(strategy, strategy.searched, device)
+        choices[strategy.path] = _tried(strategy, strategy.searched, device, shape)
     return choices
 
 
-def _tried(strategy, values: tuple, device: str) -> tuple:
-    """The values of a step strategy the search tries on `device` (off only, where it is a no-op)."""
-    return values if device == "cuda" or not strategy.cuda_only else (False,)
+def _tried(strategy, values: tuple, device: str, shape: ModelShape | None = None) -> tuple:
+    """The values of a step strategy the search tries on `device` for a model of `shape` (off only where
+    it is a no-op or cannot run on this model)."""
+    runs = (device == "cuda" or not strategy.cuda_only) and not (
+        shape is not None and strategy.model_problem and strategy.model_problem(shape))
+    return values if runs else (False,)
 
 
 def _batch_shapes(sequences: int) -> list[tuple[int, int]]:
@@ -209,6 +209,15 @@ def sequences_per_step(cfg: RunConfig) -> int:
     return (cfg.batch.micro_batch if isinstance(cfg.batch.micro_batch, int) else 1) * cfg.batch.grad_accum
 
 
+def _no_adapters(cfg: RunConfig, shape: ModelShape) -> str | None:
+    """Why an adapter plan would train nothing: its lora.targets name none of the model's block linears
+    (the default q_proj, v_proj on GPT-2, Phi or Falcon); the trainer refuses such a run."""
+    if cfg.method == "full" or adapted_linears(shape, cfg):
+        return None
+    return (f"lora.targets {cfg.lora.targets} name none of this model's block linears "
+            f"({', '.join(sorted(linear_leaf_names(shape)))}); set --lora-targets")
+
+
 def _build(base: RunConfig, update: dict, model_config, gpus: int) -> RunConfig | list[str]:
     """The candidate, or why the trainer would refuse it: its config rules (checked on every
     construction), layer shapes its quantization backend cannot take and, on several GPUs, the
@@ -217,7 +226,10 @@ def _build(base: RunConfig, update: dict, model_config, gpus: int) -> RunConfig 
         cfg = base.updated(update, "planned config")
     except ConfigError as exc:
         return exc.problems
-    problem = quant_shape_problem(cfg, model_shape(model_config).linear)
+    shape = model_shape(model_config)
+    problem = quant_shape_problem(cfg, shape.linear) or _no_adapters(cfg, shape) or next(
+        (strategy.model_problem(shape) for strategy in STEP_STRATEGIES
+         if strategy.model_problem and getattr(cfg.memory, strategy.name) and strategy.model_problem(shape)), None)
     if problem:
         return [problem]
     if gpus > 1 or cfg.distributed.tensor_parallel > 1 or cfg.distributed.pipeline_parallel > 1:
@@ -225,9 +237,9 @@ def _build(base: RunConfig, update: dict, model_config, gpus: int) -> RunConfig 
     return cfg
 
 
-def _members(base: RunConfig, family: dict, fixed: dict, sequences: int, device: str):
+def _members(base: RunConfig, family: dict, fixed: dict, sequences: int, device: str, shape: ModelShape):
     """The updates of every member of one family (the trainer's rules are checked by _build)."""
-    dims = {k: v for k, v in _choices(base, device).items() if k not in fixed and k not in family}
+    dims = {k: v for k, v in _choices(base, device, shape).items() if k not in fixed and k not in family}
     shapes = _batch_shapes(sequences)
     keys = list(dims)
     for values in itertools.product(*(dims[k] for k in keys)):
@@ -261,7 +273,7 @@ class _Scorer:
         return Candidate(cfg, family, est, device_total_bytes(est))
 
     def fits(self, c: Candidate) -> bool:
-        return c.device_bytes <= self.limit and (self.host_ram is None or c.estimate.cpu_ram_bytes <= self.host_ram)
+        return FitRule(self.limit, self.host_ram).fits(c.estimate)
 
     def timed(self, c: Candidate) -> Candidate:
         cfg = c.cfg
@@ -272,13 +284,14 @@ class _Scorer:
         return c
 
 
-def _leanest(base: RunConfig, family: dict, fixed: dict, device: str) -> list[RunConfig]:
+def _leanest(base: RunConfig, family: dict, fixed: dict, device: str,
+             shape: ModelShape | None = None) -> list[RunConfig]:
     """The family's most memory-saving settings at micro_batch 1 (a few, as no one optimizer is smallest
     for every model): the pre-check that rejects a whole family with one or two estimates."""
     out = []
-    lean = [[(strategy.path, value) for value in _tried(strategy, strategy.lean, device)]
+    lean = [[(strategy.path, value) for value in _tried(strategy, strategy.lean, device, shape)]
             for strategy in STEP_STRATEGIES]
-    for optimizer, *switches in itertools.product(("adafactor", "lion-8bit"), *lean):
+    for optimizer, *switches in itertools.product(OPTIMIZERS_LEAN, *lean):
         update = {"precision": "bf16-pure", "memory.checkpointing": "full", "optim.name": optimizer,
                   **dict(switches), "batch.micro_batch": 1, "batch.grad_accum": 1, "budget": None, **family}
         out.append(_with_forced(update, base, fixed))
@@ -294,24 +307,6 @@ def _with_forced(update: dict, base: RunConfig, fixed: dict) -> dict:
             update.update({path: value for path, value in strategy.forces.items() if path not in fixed})
     update.update(fixed)
     return update
-
-
-def largest_that_fits(fits, low: int, high: int) -> int:
-    """Largest value in [low, high] for which fits(value) holds (fits is monotone); 0 if none.
-    Doubling from `low`, then bisection: about 2 log2(answer) calls, few when the answer is small
-    (each call is one estimate; a traced one takes seconds)."""
-    if not fits(low):
-        return 0
-    top = low
-    while top < high and fits(min(2 * top, high)):
-        top = min(2 * top, high)
-    if top == high:
-        return high
-    failed = min(2 * top, high)  # the first value that did not fit
-    while failed - top > 1:
-        middle = (top + failed) // 2
-        top, failed = (middle, failed) if fits(middle) else (top, middle)
-    return top
 
 
 def _limit_of(cfg: RunConfig, scorer: _Scorer, family: str, path: str, high: int) -> int:
@@ -341,7 +336,7 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
             given = ", ".join(f"{k}={v}" for k, v in fixed.items() if k in family and family[k] != v)
             results.append(FamilyResult(name, False, f"excluded by your option(s) {given}"))
             continue
-        built = [_build(base, update, model_config, gpus) for update in _leanest(base, family, fixed, device)]
+        built = [_build(base, update, model_config, gpus) for update in _leanest(base, family, fixed, device, shape)]
         lean = [scorer.memory(cfg, name) for cfg in built if isinstance(cfg, RunConfig)]
         if not lean:
             results.append(FamilyResult(name, False, f"not runnable: {built[0][0]}"))
@@ -364,7 +359,7 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
                 f"budget by {format_bytes(leanest.device_bytes + margin - budget)}", leanest))
             results[-1].max_seq_len, results[-1].longest = longest if max_seq_len else (None, None)
             continue
-        members = [scorer.timed(c) for update in _members(base, family, fixed, sequences, device)
+        members = [scorer.timed(c) for update in _members(base, family, fixed, sequences, device, shape)
                    if isinstance(cfg := _build(base, update, model_config, gpus), RunConfig)
                    and scorer.fits(c := scorer.memory(cfg, name))]
         if not members:  # the lean pre-check fits, but not at the user's sequences per step
@@ -406,8 +401,9 @@ def seq_len_ladder(start: RunConfig, scorer: _Scorer, family: str, high: int, fi
     every step strategy off, then the savers switched on one after another: checkpointing, then the
     step strategies in the strategy table's order. Savers the user fixed stay as given."""
     savers = {} if "memory.checkpointing" in fixed else {"checkpointing full": {"memory.checkpointing": "full"}}
+    shape = model_shape(model_config)
     savers |= {strategy.name.replace("_", " "): {strategy.path: True} for strategy in STEP_STRATEGIES
-               if strategy.path not in fixed and True in _tried(strategy, strategy.lean, device)}
+               if strategy.path not in fixed and True in _tried(strategy, strategy.lean, device, shape)}
     off = {"memory.checkpointing": "none"} | {strategy.path: False for strategy in STEP_STRATEGIES}
     off |= {f"memory.{name}": values[0] for strategy in STEP_STRATEGIES for name, values in strategy.searched_options.items()}
     current = {path: value for path, value in off.items() if path not in fixed}

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 
 from memfit.config import RunConfig
 from memfit.data.ram import estimate_data_ram_bytes
-from memfit.memory.costs import OPTIMIZERS, QUANTS, checkpointed_layers
+from memfit.memory.costs import QUANTS, checkpointed_layers
 from memfit.memory.model_shape import ModelShape, adapted_linears, linear_leaf_names, lora_params, trainable_params
 from memfit.strategies.loss import auto_chunk_tokens
+from memfit.strategies.optimizers import TrainedParams, optimizer_entry
 from memfit.strategies.table import STEP_STRATEGIES
 
 MiB, GiB = 2**20, 2**30
@@ -81,19 +82,22 @@ def gradient_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     return trainable_params(shape, cfg) * _trainable_size(cfg)
 
 
+def trained_params(shape: ModelShape, cfg: RunConfig) -> TrainedParams:
+    """The trainable parameters as an optimizer's states see them: full fine-tuning trains the block
+    linears' matrices and everything else whole; LoRA each adapter's A (in x rank) and B (rank x out)."""
+    if cfg.method == "full":
+        matrices = tuple((i, o) for _, i, o in shape.linear)
+        unfactored = shape.total_params - shape.block_linear_params
+    else:
+        r = cfg.lora.rank
+        matrices = tuple(m for _, i, o in adapted_linears(shape, cfg) for m in ((i, r), (r, o)))
+        unfactored = 0
+    return TrainedParams(trainable_params(shape, cfg), _trainable_size(cfg), matrices, unfactored)
+
+
 def optimizer_state_bytes(shape: ModelShape, cfg: RunConfig) -> int:
-    """Optimizer states per trainable parameter (the table in memory/costs.py)."""
-    n = trainable_params(shape, cfg)
-    if cfg.optim.name == "adafactor":
-        # row + column second-moment factors per matrix, fp32
-        mats = shape.linear if cfg.method == "full" else []
-        factored = sum(i + o for _, i, o in mats) + shape.total_params - shape.block_linear_params
-        if cfg.method != "full":
-            factored = sum(i + cfg.lora.rank + cfg.lora.rank + o for _, i, o in adapted_linears(shape, cfg))
-        return factored * 4
-    cost = OPTIMIZERS[cfg.optim.name]
-    per = cost.state_bytes_fp32 if _trainable_size(cfg) == 4 else cost.state_bytes_16bit
-    return math.ceil(n * per)
+    """Optimizer states of the trainable parameters (the optimizer's entry in memfit/strategies/optimizers.py)."""
+    return optimizer_entry(cfg.optim.name).states(trained_params(shape, cfg))
 
 
 def _layer_activation_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> float:
@@ -238,16 +242,13 @@ def _attention_scores_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     return cfg.batch.micro_batch * shape.heads * cfg.data.seq_len * cfg.data.seq_len * per
 
 
-_checkpointed_layers = checkpointed_layers
-
-
 def _weight_copies_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """Under autocast every matmul keeps the 16-bit copy of its weight that it computed with
     (needed for the input gradient); checkpointed layers recompute theirs in the backward."""
     if _compute_size(cfg) == _weight_size(cfg) or _quant_mode(cfg) != "none":
         return 0
     per_layer = shape.block_linear_params / shape.layers
-    live_layers = shape.layers - _checkpointed_layers(shape, cfg)
+    live_layers = shape.layers - checkpointed_layers(shape, cfg)
     head = shape.lm_head_params or shape.embedding_params
     return int(2 * (per_layer * live_layers + head))
 
@@ -287,7 +288,7 @@ def activation_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """Tensors saved for backward at the end of one micro-batch's forward (the backward's start)."""
     tokens = cfg.batch.micro_batch * cfg.data.seq_len
     p, c, full = _weight_size(cfg), _compute_size(cfg), cfg.method == "full"
-    ckpt = _checkpointed_layers(shape, cfg)
+    ckpt = checkpointed_layers(shape, cfg)
     layers = (shape.layers - ckpt) * _layer_bytes(shape, cfg) + ckpt * tokens * shape.hidden * p  # ckpt: input only
     if not full and shape.layers > ckpt:
         # the first layer's input is the frozen embedding's output: no gradient, so neither it nor the
@@ -371,9 +372,9 @@ def _dequant_bytes(shape: ModelShape, cfg: RunConfig) -> int:
 
 
 def _optimizer_scratch(shape: ModelShape, cfg: RunConfig) -> int:
-    """torch AdamW/SGD/Adafactor (foreach) build one scratch copy of the trainable parameters
+    """torch's foreach steps (AdamW, SGD, Adafactor) build one scratch copy of the trainable parameters
     (e.g. Adam's denominator); bitsandbytes/torchao 8-bit optimizers update block by block."""
-    if OPTIMIZERS[cfg.optim.name].foreach_scratch:
+    if optimizer_entry(cfg.optim.name).foreach_scratch:
         return trainable_params(shape, cfg) * _trainable_size(cfg)
     return 0
 
@@ -434,10 +435,8 @@ def cpu_ram_bytes(shape: ModelShape, cfg: RunConfig, device: str) -> dict[str, i
     # (on CUDA it then moves to the GPU and the host copy is freed, so the peak is one copy).
     load = shape.total_params * (2 if cfg.precision != "fp32" else 4)
     terms["model_load"] = load
-    try:  # the data engineer's estimate when present
-        terms["data"] = int(estimate_data_ram_bytes(cfg))
-    except Exception:  # noqa: BLE001 - optional module; fall back to a documented simple term
-        terms["data"] = 256 * MiB
+    # The data path's own estimate; a data.path that cannot be read here stops the plan with its DataError.
+    terms["data"] = int(estimate_data_ram_bytes(cfg))
     if device == "cpu":  # training on CPU: the whole training state lives in RAM
         terms["training_state"] = 0  # filled in by analytic_estimate
     return terms
@@ -520,7 +519,7 @@ class StrategyTerms:
     @property
     def live_layers(self) -> int:
         """Layers that are not checkpointed (they save all their tensors in the forward)."""
-        return self.shape.layers - _checkpointed_layers(self.shape, self.cfg)
+        return self.shape.layers - checkpointed_layers(self.shape, self.cfg)
 
     @property
     def last_layer_checkpointed(self) -> bool:

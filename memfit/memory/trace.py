@@ -31,6 +31,7 @@ from types import SimpleNamespace
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.build import build_run, trainable
 from memfit.config import RunConfig
@@ -38,6 +39,7 @@ from memfit.errors import MemfitError
 from memfit.memory.estimate import Estimate
 from memfit.memory.tracker import MemoryTracker
 from memfit.strategies.loss import plain_loss
+from memfit.strategies.optimizers import optimizer_entry
 from memfit.step import step_strategies, training_step
 
 log = logging.getLogger(__name__)
@@ -79,8 +81,9 @@ class _FakeStepTracker(MemoryTracker):
         checks of the mask's values see real values;
       * answers `.device` of a fake tensor (`prim.device`, about two thirds of all dispatches in a
         checkpointed backward) at once, without a round trip through the fake mode.
-    Being one mode rather than two cuts the per-op cost, which dominates a 70B trace (measured:
-    82 s -> 47 s wall for a 70B trace on a busy machine, together with the `prim.device` shortcut).
+    One mode rather than a tracker stacked on a separate fake mode, because the per-op dispatch cost
+    dominates a 70B trace: one mode with the `prim.device` shortcut traced 70B in 47 s wall on a
+    busy machine, two stacked modes without it in 82 s.
     """
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -230,8 +233,6 @@ def fake_batch(cfg: RunConfig, padded: bool) -> dict[str, torch.Tensor]:
 @contextmanager
 def _real_tensors():
     """Step out of the active FakeTensorMode (and the tracker) to make a real tensor."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     with _disable_current_modes():
         yield
 
@@ -271,7 +272,7 @@ def trace_estimate(cfg: RunConfig, device: str | torch.device | None = None, pad
         # swaps every fake parameter, which fails); now everything becomes fake at once. The
         # optimizer is built outside the fake mode: optimizers make small constant tables
         # (bitsandbytes' quantisation maps) from Python lists, which must stay real. Built for the
-        # trace device: paged-adamw-8bit then runs as plain 8-bit AdamW, with the same state bytes.
+        # trace device: a paged optimizer then runs as its unpaged form, with the same state bytes.
         with fake_mode:
             model = _materialise(model)
         optimizer = make_optimizer(trainable(model))
@@ -303,8 +304,8 @@ def trace_estimate(cfg: RunConfig, device: str | torch.device | None = None, pad
                 _trace_evaluation(cfg, model, strategies["loss_fn"], precision, tracker, padded)
 
     peak = tracker.peak_bytes
-    if target.type == "cuda" and cfg.optim.name == "paged-adamw-8bit":
-        notes.append("paged-adamw-8bit: its states live in CUDA unified memory, which "
+    if target.type == "cuda" and optimizer_entry(cfg.optim.name).paged:
+        notes.append(f"{cfg.optim.name}: its states live in CUDA unified memory, which "
                      "max_memory_allocated does not count; they are included here")
     estimate = Estimate(peak_allocated_bytes=peak, peak_reserved_bytes=peak,
                         by_category=tracker.peak_by_category(), engine="traced", notes=notes,

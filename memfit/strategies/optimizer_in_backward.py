@@ -22,6 +22,7 @@ The gradient norm is still reported (the square root of the sum of per-parameter
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.errors import MemfitError
 from memfit.strategies.step_strategy import StepStrategy
@@ -47,8 +48,6 @@ class InBackwardUpdate:
         """Stands in for PrecisionPlan.step: the updates already happened during backward."""
         if max_grad_norm is not None:
             raise MemfitError("optimizer_in_backward cannot clip by global norm; set optim.max_grad_norm: null")
-        from torch._subclasses.fake_tensor import FakeTensor
-
         # Under the planner's fake tensors there is no value to read.
         done = self._sum_squares is None or isinstance(self._sum_squares, FakeTensor)
         norm = 0.0 if done else float(self._sum_squares.sqrt())
@@ -60,11 +59,6 @@ class InBackwardUpdate:
         for handle in self.handles:
             handle.remove()
         self.handles = []
-
-
-def in_backward_update(enabled: bool, optimizer: torch.optim.Optimizer, params: list[torch.nn.Parameter]):
-    """The step's update function: None (the ordinary precision.step) when disabled."""
-    return InBackwardUpdate(optimizer, params) if enabled else None
 
 
 def in_backward_problems(cfg) -> list[str]:

@@ -14,6 +14,8 @@ ones memfit has (memfit/strategies/table.py lists them). Its entry, beside its t
   work        the work it adds to a step: matmul "flops", "host_bytes" over the host link
               (memory/costs.py turns them into the seconds the planner ranks plans by)
   problems    its rules against the rest of the config (checked on every construction)
+  model_problem  why it cannot run on a model of this shape (memory/model_shape.py: ModelShape), or
+              None: the planner's search never offers it there (the trainer refuses it at build)
   searched    the values the planner's search tries (memory/search.py), `lean` those of its leanest
               pre-check; `cuda_only` strategies are tried on CUDA runs only; `searched_options` the
               values of its options tried in plans that switch it on (its rules prune the rest)
@@ -48,6 +50,7 @@ class StepStrategy:
     host_bytes: Callable[[object], int] | None = None    # (terms) -> host RAM it adds
     work: Callable[[object], dict[str, float]] | None = None  # (terms) -> {"flops" | "host_bytes": per step}
     problems: Callable[[object], list[str]] = _no_problems  # (cfg) -> its rules, when on
+    model_problem: Callable[[object], str | None] | None = None  # (model shape) -> why not on this model
     searched: tuple = (False, True)        # values the planner's search tries
     lean: tuple = (True,)                  # values the leanest-member pre-check tries
     cuda_only: bool = False                # a no-op off CUDA: searched on CUDA only

@@ -128,6 +128,8 @@ TILED_MLP = StepStrategy(
                  "(Llama, Mistral, Qwen2 ...).",
     hooks=lambda cfg, device, optimizer, params, traced: {}, model_hook=apply_tiled_mlp,
     peak=_tiled_peak, work=_tiled_work, sharded_estimate=False,
+    model_problem=lambda shape: None if shape.family == "llama" else
+    "memory.tiled_mlp tiles gated MLPs only (gate_proj, up_proj, down_proj); this model's MLP is not one",
     options={"tiled_mlp_slices": (int | None, dict(default=None, ge=1, description=(
         "Slices per MLP with memory.tiled_mlp (null: slices of `hidden` tokens each; more than the "
         "tokens: one token each)")))},

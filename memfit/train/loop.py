@@ -19,7 +19,6 @@ from memfit.data.notes import DataNotes
 from memfit.distributed.checkpoint import unwrap
 from memfit.distributed.engine import Engine, make_engine
 from memfit.errors import MemfitError
-from memfit.memory.planner import check_host_ram, resolve_budget
 from memfit.memory.report import MemoryReport
 from memfit.memory.timeline import write_timeline
 from memfit.memory.trace import trace_estimate
@@ -34,7 +33,8 @@ from memfit.train.metrics import MetricsLog, OutputWriteError
 from memfit.train.output_dir import (check_output_dir, planned_disk_bytes, prepare_output_dir, record_finished,
                                      record_outputs, record_resumed_run)
 from memfit.train.run_lock import hold_output_dir
-from memfit.train.oom import OomRecovery, make_tracker, resolve_micro_batch, split_batches
+from memfit.train.oom import OomRecovery, make_tracker, split_batches
+from memfit.train.resolve import resolve_run
 from memfit.train.schedule import make_scheduler
 from memfit.train.signals import StopOnSignal, TrainingStopped
 from memfit.units import format_bytes
@@ -73,15 +73,13 @@ class RunResult:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """What can be known wrong before the planner, the data and the model take time and memory."""
+    """What can be known wrong before resolving (the planner), the data and the model take time and memory."""
     model_config = load_model_config(cfg.model)[0]
     check_model(cfg, model_config, model_where(cfg.model), int(os.environ.get("WORLD_SIZE", 1)))
     check_lora_targets_on_meta(model_config, cfg)  # before the data loads: a typo'd target name stops the run
     check_weights(cfg.model)
     check_output_dir(cfg, planned_disk_bytes(cfg))
     check_tokenizer(cfg.model)  # real weights need their own tokenizer; its ids must fit the embedding
-    cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    check_host_ram(cfg, "cuda" if cuda else "cpu")  # activation offload's pinned host memory
 
 
 def train(cfg: RunConfig, progress: bool = True) -> RunResult:
@@ -91,8 +89,8 @@ def train(cfg: RunConfig, progress: bool = True) -> RunResult:
 
 def _train(cfg: RunConfig, progress: bool) -> RunResult:
     preflight(cfg)
-    engine = make_engine(resolve_budget(cfg))  # budget: the planner's choice; under torchrun, joins the group
-    cfg = engine.cfg = resolve_micro_batch(engine.cfg, engine.device)  # auto: the largest that fits
+    cfg = resolve_run(cfg).cfg  # device, host RAM, budget: and micro_batch: auto, decided once (resolve.py)
+    engine = make_engine(cfg)  # under torchrun, joins the group
     device = engine.device
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.model)

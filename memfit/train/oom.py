@@ -1,4 +1,4 @@
-"""Out-of-memory recovery, a memory budget that makes OOM testable on CPU, and `micro_batch: auto`.
+"""Out-of-memory recovery, and a memory budget that makes OOM testable on CPU.
 
 OOM recovery: the loop draws each step's data exactly as configured (grad_accum batches of
 micro_batch sequences), and `OomRecovery.run` cuts those batches into smaller micro-batches
@@ -12,7 +12,7 @@ Evaluation is separate (`evaluate_with_retry`): an OOM there splits the evaluati
 only, never the training batch.
 
 `MemoryBudget` is a MemoryTracker that raises `torch.OutOfMemoryError` when the tracked bytes
-go above a limit, as a full GPU would; `memory_budget: 512MiB` in the config turns it on.
+go above a limit, as a full GPU would; `memory.limit: 512MiB` in the config turns it on.
 """
 
 from __future__ import annotations
@@ -24,15 +24,10 @@ from typing import Callable
 import torch
 
 from memfit.errors import MemfitError
-from memfit.memory.trace import trace_estimate
-from memfit.memory.planner import available_bytes
-from memfit.memory.search import default_margin, largest_that_fits
 from memfit.memory.tracker import MemoryTracker, NullTracker
-from memfit.units import format_bytes, parse_bytes
+from memfit.units import format_bytes
 
 log = logging.getLogger(__name__)
-
-AUTO_MAX_MICRO_BATCH = 1024  # search ceiling for micro_batch: auto
 
 
 class MemoryBudget(MemoryTracker):
@@ -54,6 +49,17 @@ class MemoryBudget(MemoryTracker):
                 f"memory.limit: allocating {format_bytes(nbytes)} would hold "
                 f"{format_bytes(self.current_bytes)}, above the budget of {format_bytes(self.limit_bytes)}")
         super()._add(nbytes, category)
+
+    def tag_module(self, module: torch.nn.Module) -> None:
+        """The weights are tracked before the first step: a limit below them leaves nothing to recover
+        by splitting batches, so it is the user's setting that is wrong."""
+        try:
+            super().tag_module(module)
+        except torch.OutOfMemoryError:
+            weights = sum(t.untyped_storage().nbytes() for t in [*module.parameters(), *module.buffers()])
+            raise MemfitError(f"memory.limit: {format_bytes(self.limit_bytes)} is below the model's own weights "
+                              f"and buffers ({format_bytes(weights)}), before any step; raise memory.limit, or "
+                              "use a smaller model or method") from None
 
 
 def make_tracker(cfg):
@@ -160,41 +166,3 @@ def evaluate_with_retry(eval_fn: Callable[[dict], tuple[torch.Tensor, int]], bat
         gc.collect()
         log.warning("out of memory in evaluation (%s): evaluating %d sequences at a time", message, rows)
 
-
-# --- micro_batch: auto ----------------------------------------------------------------------
-
-def memory_available_bytes(cfg, device: torch.device) -> tuple[int, str]:
-    """What micro_batch: auto must fit under, and where that number comes from. memory.limit is the
-    tracker's own ceiling, which the traced estimate predicts exactly; a budget or the device's memory
-    keeps the planner's margin free (fragmentation, a second process)."""
-    if cfg.memory.limit is not None:
-        return cfg.memory.limit_bytes, f"memory.limit {cfg.memory.limit}"
-    if cfg.budget not in (None, "auto"):
-        total, source = parse_bytes(cfg.budget), f"budget {cfg.budget}"
-    else:
-        total = available_bytes(device.type)
-        source = "the GPU's free memory" if device.type == "cuda" else "half of the available RAM"
-    margin = default_margin(total)
-    return total - margin, f"{source} less the margin of {format_bytes(margin)}"
-
-
-def resolve_micro_batch(cfg, device: torch.device, estimate_fn=None, limit: int = AUTO_MAX_MICRO_BATCH):
-    """cfg unchanged unless micro_batch is 'auto'; then a copy with the largest micro-batch whose
-    traced estimate (the planner's own fake run of this step) fits, found as the planner finds its
-    largest micro-batch (memory/search.py: largest_that_fits)."""
-    if cfg.batch.micro_batch != "auto":
-        return cfg
-    if estimate_fn is None:
-        estimate_fn = lambda c, dev: trace_estimate(c, dev)  # noqa: E731
-    budget, source = memory_available_bytes(cfg, device)
-
-    def fits(micro_batch: int) -> bool:
-        estimate = estimate_fn(cfg.updated({"batch.micro_batch": micro_batch}), device.type)
-        return estimate.peak_reserved_bytes <= budget
-
-    best = largest_that_fits(fits, 1, limit)
-    if not best:
-        raise MemfitError(f"batch.micro_batch: auto: even one sequence of seq_len {cfg.data.seq_len} does not fit in "
-                          f"{format_bytes(budget)} ({source}); see `memfit plan` for strategies that fit")
-    log.info("batch.micro_batch: auto -> %d (largest that fits %s, %s)", best, format_bytes(budget), source)
-    return cfg.updated({"batch.micro_batch": best})

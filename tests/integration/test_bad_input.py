@@ -388,6 +388,8 @@ CASES = [
     Case("model-kv-heads", "model config.json whose key/value heads do not divide the heads", ["model.init=random"],
          setup=lambda t: _model_dir(t, "kv", {**TINY_LLAMA, "num_attention_heads": 4, "num_key_value_heads": 3}),
          mentions=("kv/config.json", "num_key_value_heads (3) must divide num_attention_heads (4)")),
+    Case("limit-below-weights", "`memory.limit=64KiB`, below the model's own weights", ["memory.limit=64KiB"],
+         mentions=("memory.limit", "64.00 KiB", "below the model's own weights"), new_files_ok=True),
     Case("weights-lists-random", "`model.new_weights` with `model.init=random`",
          ["model.init=random", "model.new_weights=[lm_head.*]"], mentions=("new_weights", "init: pretrained")),
 ]

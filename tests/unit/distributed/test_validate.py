@@ -17,12 +17,18 @@ def test_single_process_default_is_untouched():
 
 def test_config_combinations_are_all_listed():
     with pytest.raises(ConfigError) as error:
-        load_config(None, ["distributed.sharding=ddp", "distributed.offload=optimizer", "distributed.tensor_parallel=2", "distributed.pipeline_parallel=2"])
+        load_config(None, ["distributed.sharding=ddp", "distributed.offload=all", "distributed.tensor_parallel=2", "distributed.pipeline_parallel=2"])
     text = str(error.value)
-    assert "5 problem(s)" in text  # the four combinations + pipeline clipping
-    assert "distributed.offload: optimizer needs distributed.sharding: zero2 or zero3" in text
+    assert "4 problem(s)" in text  # offload without FSDP2, tp with pp, tp/pp with ddp + pipeline clipping
+    assert "distributed.offload: all needs distributed.sharding: zero2 or zero3" in text
     assert "tensor_parallel and pipeline_parallel together" in text
     assert "with distributed.sharding: ddp is not supported" in text
+
+
+def test_optimizer_only_offload_is_not_a_choice():
+    """FSDP2's CPUOffloadPolicy moves parameters, gradients and the optimizer step together."""
+    with pytest.raises(ConfigError, match="distributed.offload: got 'optimizer'; allowed: 'none', 'params' or 'all'"):
+        load_config(None, ["distributed.sharding=zero3", "distributed.offload=optimizer"])
 
 
 @pytest.mark.parametrize("overrides, expected", [

@@ -7,11 +7,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from memfit.config import load_config
 from memfit.errors import MemfitError
 from memfit.memory.tracker import MemoryTracker
-from memfit.strategies.optimizer_in_backward import InBackwardUpdate, in_backward_update
 from memfit.strategies.precision import make_precision
-from memfit.step import training_step
+from memfit.step import step_strategies, training_step
 
 CONFIG = dict(vocab_size=259, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=4, max_position_embeddings=256)
@@ -22,6 +22,12 @@ def _model():
     config = LlamaConfig(**CONFIG)
     config._attn_implementation = "sdpa"
     return LlamaForCausalLM(config).train()
+
+
+def _hooks(in_backward: bool, optimizer, params, traced: bool = False) -> dict:
+    """training_step's strategy hooks as the trainer and the planner's trace get them."""
+    cfg = load_config(None, [f"memory.optimizer_in_backward={str(in_backward).lower()}", "optim.max_grad_norm=null"])
+    return step_strategies(cfg, torch.device("cpu"), optimizer, params, traced=traced)
 
 
 def _batches(steps=3, batch=4, seq=32):
@@ -38,13 +44,13 @@ def _train(in_backward: bool, optimizer_cls=torch.optim.AdamW, steps=2, batch=4,
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = optimizer_cls(params, lr=1e-2)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))  # lr changes per step
-    update = in_backward_update(in_backward, optimizer, params)
+    hooks = _hooks(in_backward, optimizer, params)
     precision = make_precision("fp32", torch.device("cpu"))
     norms = []
     with MemoryTracker() as tracker:
         tracker.tag_module(model)
         for micro_batches in _batches(steps, batch, seq):
-            result = training_step(model, optimizer, micro_batches, precision, tracker, params, None, update=update)
+            result = training_step(model, optimizer, micro_batches, precision, tracker, params, None, **hooks)
             scheduler.step()
             norms.append(result.grad_norm)
     return model, norms, tracker
@@ -79,7 +85,7 @@ def test_traced_peak_matches_the_real_one():
             model = _model()
             params = list(model.parameters())
             optimizer = torch.optim.AdamW(params, lr=1e-2)
-            update = InBackwardUpdate(optimizer, params)
+            update = _hooks(True, optimizer, params, traced=fake)["update"]
             with MemoryTracker() as tracker:
                 tracker.tag_module(model)
                 for micro_batches in _batches(2):
@@ -98,8 +104,8 @@ def test_refuses_clipping_and_is_off_by_default():
     model = _model()
     params = list(model.parameters())
     optimizer = torch.optim.SGD(params, lr=0.1)
-    assert in_backward_update(False, optimizer, params) is None
-    update = in_backward_update(True, optimizer, params)
+    assert _hooks(False, optimizer, params)["update"] is None
+    update = _hooks(True, optimizer, params)["update"]
     with pytest.raises(MemfitError, match="max_grad_norm"):
         update(optimizer, params, 1.0)
     update.remove()

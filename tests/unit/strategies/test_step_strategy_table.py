@@ -65,3 +65,17 @@ def test_a_model_changing_entry_is_applied_by_build_run(strategy):
     changed = [name for (name, a), (_, b) in zip(built_on.named_modules(), built_off.named_modules())
                if "forward" in vars(a) and "forward" not in vars(b)]
     assert changed  # the hook ran on the very model build_run returns
+
+
+def test_the_search_offers_no_strategy_the_model_cannot_run():
+    """GPT-2's MLP is not gated: the tiled MLP (which the trainer refuses there) is never in its plans,
+    and the full family still fits as it did without it."""
+    from memfit.memory.planner import plan
+
+    cfg = load_config(None, ["model=openai-community/gpt2", "data.seq_len=1024", "batch.micro_batch=4"])
+    result = plan("openai-community/gpt2", cfg, 4 * 2**30, device="cuda")
+    assert not any(c.cfg.memory.tiled_mlp for c in result.search.pareto)
+    full = next(f for f in result.search.families if f.name == "full")
+    assert full.fits, full.reason
+    lora = next(f for f in result.search.families if f.name == "LoRA")
+    assert not lora.fits and "name none of this model's block linears (c_attn, c_fc, c_proj)" in lora.reason

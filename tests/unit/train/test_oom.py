@@ -6,10 +6,8 @@ import pytest
 import torch
 
 from memfit.errors import MemfitError
-from memfit.memory.estimate import Estimate
 from memfit.train.loop import train
-from memfit.train.oom import (MemoryBudget, OomRecovery, evaluate_with_retry, resolve_micro_batch, smaller_split,
-                              split_batches)
+from memfit.train.oom import MemoryBudget, OomRecovery, evaluate_with_retry, smaller_split, split_batches
 
 
 def test_smaller_split_divides_the_micro_batch():
@@ -84,26 +82,3 @@ def test_oom_at_micro_batch_one_says_what_to_do(tiny_config):
     with pytest.raises(MemfitError, match="micro_batch 1"):
         # The fp32 weights (3.3 MB) fit; AdamW's states (twice that) cannot, at any micro-batch.
         train(tiny_config(max_steps=1, micro_batch=2, memory_budget="3500000B"), progress=False)
-
-
-def test_auto_micro_batch_is_the_largest_that_fits(tiny_config):
-    def estimate(cfg, device):  # 1 MB fixed + 100 kB per sequence
-        peak = 1_000_000 + 100_000 * cfg.batch.micro_batch
-        return Estimate(peak_allocated_bytes=peak, peak_reserved_bytes=peak)
-
-    cfg = tiny_config(micro_batch="auto", memory_budget="5555000B")
-    assert resolve_micro_batch(cfg, torch.device("cpu"), estimate).batch.micro_batch == 45
-    assert resolve_micro_batch(tiny_config(micro_batch=3), torch.device("cpu"), estimate).batch.micro_batch == 3
-    with pytest.raises(MemfitError, match="even one sequence"):
-        resolve_micro_batch(tiny_config(micro_batch="auto", memory_budget="1MB"), torch.device("cpu"), estimate)
-
-
-@pytest.mark.slow
-def test_auto_micro_batch_with_the_traced_planner_trains_within_budget(tiny_config):
-    from memfit.memory.trace import trace_estimate
-
-    budget = trace_estimate(tiny_config(micro_batch=6), "cpu").peak_reserved_bytes + 1000
-    cfg = resolve_micro_batch(tiny_config(micro_batch="auto", memory_budget=f"{budget}B"), torch.device("cpu"))
-    assert cfg.batch.micro_batch >= 6
-    result = train(cfg.updated({"max_steps": 2}), progress=False)  # runs under the budget: no OOM
-    assert result.report.measured_peak_bytes <= budget
