@@ -2,17 +2,22 @@
 
 The planner runs this same function on fake tensors to estimate memory, so whatever a
 strategy changes about a step must happen in here or in the objects passed in.
+`tracked_steps` is the sequence of steps as the memory tracker sees them, shared the same way by the
+trainer's loop, the trace and the measurements.
 """
 
 from __future__ import annotations
 
+import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator
 
 import torch
 
 from torch._subclasses.fake_tensor import FakeTensor
 
+from memfit.build import Run
 from memfit.data.examples import IGNORE_INDEX
 from memfit.strategies.loss import plain_loss
 from memfit.strategies.precision import PrecisionPlan, total_grad_norm
@@ -100,3 +105,53 @@ def training_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, micr
     tokens = count_tokens(micro_batches)
     return StepResult(float(total), grad_norm, skipped, tokens)
 
+
+@dataclass
+class TrackedStep:
+    """One step of `tracked_steps`, as the tracker saw it."""
+
+    key: object            # what `steps` gave for it (the trainer: the step number)
+    result: StepResult
+    started_s: float       # time.perf_counter() before its micro-batches were drawn: a step's time includes them
+    raised_peak: bool      # it set a new highest tracked peak
+    micro_batches: list[dict] | None  # what it trained on; let go once the next step's are drawn
+
+
+def _try_once(train: Callable[[list[dict]], StepResult], micro_batches: list[dict]) -> StepResult:
+    return train(micro_batches)
+
+
+def tracked_steps(tracker, run: Run, hooks: dict, max_grad_norm: float | None, steps: Iterable,
+                  draw: Callable[[object], list[dict]], attempt=_try_once, target_count=count_targets,
+                  stand_in_first: torch.nn.Module | None = None, peak_per_step: bool = False) -> Iterator[TrackedStep]:
+    """Training steps as the memory tracker sees them. The trainer's loop, the planner's trace
+    (memory/trace.py) and the measurements the estimates are checked against (memory/measure.py) all
+    step through here, so that they record the same thing.
+
+    The model's tensors are tagged once; then for each of `steps`: a step is marked (the tracker keeps
+    the timeline of the highest one), its micro-batches `draw(key)` are tagged as activations, and
+    `training_step` runs with `hooks` (`step_strategies`).
+    attempt(train, micro_batches): how the step is tried (the trainer's OOM recovery retries it in
+    smaller pieces). stand_in_first: a module that runs the first step in the model's place, with the
+    plain loss (the trace's stand-in that only lets the optimizer create its states). peak_per_step:
+    reset the peak once the batches are drawn, so that `tracker.peak_bytes` after a step is its own.
+    """
+    tracker.tag_module(run.model)
+    last = None
+    for index, key in enumerate(steps):
+        started, peak_before = time.perf_counter(), tracker.peak_bytes
+        tracker.mark_step()
+        micro_batches = draw(key)
+        tracker.tag((t for batch in micro_batches for t in batch.values()), "activations")
+        if last is not None:  # held through this step, the last step's batches would count in its peak
+            last.micro_batches = None
+        if peak_per_step:
+            tracker.reset_peak()
+        model, step_hooks = run.model, hooks
+        if index == 0 and stand_in_first is not None:
+            model, step_hooks = stand_in_first, {**hooks, "loss_fn": plain_loss}
+        result = attempt(lambda pieces: training_step(
+            model, run.optimizer, pieces, run.precision, tracker, run.params, max_grad_norm,
+            target_count=target_count, **step_hooks), micro_batches)
+        last = TrackedStep(key, result, started, tracker.peak_bytes > peak_before, micro_batches)
+        yield last

@@ -19,12 +19,13 @@ from memfit.config.deepspeed import deepspeed_problems
 from memfit.config.distributed import config_problems
 from memfit.errors import MemfitError
 from memfit.strategies.optimizers import OPTIMIZERS, optimizer_problems
+from memfit.strategies.precision import PRECISIONS
 from memfit.strategies.quantization import quant_problems
 from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import parse_bytes
 
 # The choices of every enumerated setting, defined once: fields, the CLI and the planner read them here.
-Precision = Literal["fp32", "bf16-mixed", "fp16-mixed", "bf16-pure"]
+Precision = Literal[PRECISIONS]  # the precision table (memfit/strategies/precision.py)
 Optimizer = Literal[OPTIMIZERS]  # the optimizer table (memfit/strategies/optimizers.py)
 Attention = Literal["eager", "sdpa", "flash"]
 Method = Literal["full", "lora", "qlora"]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import ModelShape, trainable_params
 from memfit.strategies.optimizers import optimizer_entry
+from memfit.strategies.precision import precision_entry
 from memfit.strategies.table import STEP_STRATEGIES
 
 # --- efficiency assumptions (fractions of the spec sheet a training step sustains) ----------------------
@@ -48,19 +49,13 @@ QUANTS = {
     "int8": QuantCost(1.0, 1.0 + 2, "8-bit base weights"),
 }
 
-# What a method or precision gives up against full fine-tuning in bf16-mixed (for the plan's table).
+# What a method gives up against full fine-tuning (for the plan's table).
 METHOD_GIVES_UP = {"full": "", "lora": "trains LoRA adapters only", "qlora": "trains LoRA adapters only"}
-PRECISION_GIVES_UP = {"bf16-mixed": "", "fp32": "", "fp16-mixed": "fp16 range (loss scaling)",
-                      "bf16-pure": "no fp32 master weights"}
 
 
 def checkpointed_layers(shape: ModelShape, cfg) -> int:
     every = cfg.memory.activation_checkpoint_every
     return 0 if not every else math.ceil(shape.layers / every)
-
-
-def _weight_bytes(cfg) -> int:
-    return 2 if cfg.precision == "bf16-pure" else 4
 
 
 def step_time(terms, gpu: GPU, gpus: int = 1) -> dict[str, float]:
@@ -91,7 +86,9 @@ def step_time(terms, gpu: GPU, gpus: int = 1) -> dict[str, float]:
     forward = tokens * (2 * n + 4 * shape.layers * cfg.data.seq_len * shape.q_dim)
     backward = forward * (2 if cfg.method == "full" else 1)
     recompute = forward * ckpt
-    rate = (gpu.tf32_tflops if cfg.precision == "fp32" else gpu.bf16_tflops) * 1e12 * MATMUL_EFFICIENCY
+    precision = precision_entry(cfg.precision)
+    # fp32 matmuls run at the TF32 rate, 16-bit ones on the bf16/fp16 tensor cores
+    rate = (gpu.tf32_tflops if precision.compute_bytes == 4 else gpu.bf16_tflops) * 1e12 * MATMUL_EFFICIENCY
     memory_rate = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
     host_rate = gpu.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY
     link_rate = gpu.interconnect_gbps * 1e9
@@ -111,7 +108,7 @@ def step_time(terms, gpu: GPU, gpus: int = 1) -> dict[str, float]:
         terms["dequantize"] = shape.block_linear_params * quant.dequant_bytes * passes * micro_batches / memory_rate
 
     trainable = trainable_params(shape, cfg)
-    master = 4 if cfg.method != "full" else _weight_bytes(cfg)
+    master = 4 if cfg.method != "full" else precision.master_bytes  # adapters are fp32
     states = optimizer_entry(cfg.optim.name).state_bytes_per_value(master)
     data_parallel = max(gpus // model_parallel, 1)
     sharded = data_parallel if cfg.distributed.sharding in ("zero1", "zero2", "zero3") else 1
@@ -130,7 +127,7 @@ def step_time(terms, gpu: GPU, gpus: int = 1) -> dict[str, float]:
     comm = 0.0
     if data_parallel > 1:
         ring = 2 * (data_parallel - 1) / data_parallel
-        grad_bytes = trainable * (2 if cfg.precision != "fp32" else 4) / model_parallel
+        grad_bytes = trainable * precision.compute_bytes / model_parallel  # counted at the compute dtype's size
         comm += ring * grad_bytes / 2 if cfg.distributed.sharding in ("zero2", "zero3") else ring * grad_bytes
         if cfg.distributed.sharding == "zero3":  # all-gather the parameters for the forward and the backward
             comm += 2 * (data_parallel - 1) / data_parallel * n * 2 * micro_batches

@@ -9,6 +9,7 @@ bytes (tensors on the device) and host RAM bytes, per process.
 from __future__ import annotations
 
 from memfit.memory.model_shape import ModelShape, trainable_params
+from memfit.strategies.precision import precision_entry
 
 
 def _largest_linear(shape: ModelShape) -> int:
@@ -32,7 +33,7 @@ def load_phase(shape: ModelShape, cfg, weights: int, host_load: int, host_base: 
 def checkpoint_phase(shape: ModelShape, cfg, weights: int, states: int, host_base: int) -> dict[str, int]:
     """Saving a resumable checkpoint after an optimizer step: gradients are freed, the trainable
     weights and the optimizer states are copied to host RAM before they are written."""
-    master = 4 if cfg.method != "full" or cfg.precision != "bf16-pure" else 2
+    master = 4 if cfg.method != "full" else precision_entry(cfg.precision).master_bytes  # adapters are fp32
     host_copy = trainable_params(shape, cfg) * master + states
     return {"gpu": weights + states, "cpu_ram": host_base + host_copy}
 

@@ -21,12 +21,13 @@ from memfit.config import ConfigError, RunConfig
 from memfit.config.distributed import launch_problems
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
 from memfit.memory.single_device import StrategyTerms
-from memfit.memory.costs import METHOD_GIVES_UP, PRECISION_GIVES_UP, QUANTS, step_time
+from memfit.memory.costs import METHOD_GIVES_UP, QUANTS, step_time
 from memfit.memory.estimate import Estimate
 from memfit.memory.fits import FitRule, default_margin, largest_that_fits
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import ModelShape, adapted_linears, linear_leaf_names, model_shape
 from memfit.strategies.optimizers import OPTIMIZER_ENTRIES, optimizer_entry
+from memfit.strategies.precision import PRECISION_ENTRIES, precision_entry
 from memfit.strategies.quantization import quant_shape_problem
 from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import format_bytes
@@ -35,7 +36,10 @@ CHECKPOINTING = ("none", "every-4", "every-2", "full")
 OPTIMIZERS_SEARCHED = tuple(entry.name for entry in OPTIMIZER_ENTRIES if entry.searched)
 # the leanest pre-check tries these: no one optimizer keeps the fewest bytes for every model
 OPTIMIZERS_LEAN = tuple(entry.name for entry in OPTIMIZER_ENTRIES if entry.lean)
-PRECISIONS_SEARCHED = ("bf16-mixed", "bf16-pure")  # fp16-mixed and fp32 only when asked for
+PRECISIONS_SEARCHED = tuple(entry.name for entry in PRECISION_ENTRIES if entry.searched)
+# the leanest pre-check tries the searched precision that keeps the fewest bytes per weight and per activation
+PRECISION_LEAN = min((entry for entry in PRECISION_ENTRIES if entry.searched),
+                     key=lambda entry: (entry.weight_bytes, entry.compute_bytes)).name
 TIE = 0.05  # plans within 5% of the fastest step time count as equally fast: fidelity decides
 # config paths the search may choose; a value the user set is held fixed
 SEARCHED = ("method", "quant.scheme", "precision", "optim.name", "memory.checkpointing",
@@ -135,7 +139,7 @@ def config_summary(cfg: RunConfig) -> dict:
 
 def gives_up(cfg: RunConfig) -> list[str]:
     """What a plan trades against full fine-tuning in bf16-mixed with AdamW and clipping."""
-    out = [METHOD_GIVES_UP[cfg.method], QUANTS[cfg.quant.scheme].gives_up, PRECISION_GIVES_UP[cfg.precision],
+    out = [METHOD_GIVES_UP[cfg.method], QUANTS[cfg.quant.scheme].gives_up, precision_entry(cfg.precision).gives_up,
            optimizer_entry(cfg.optim.name).gives_up]
     if cfg.optim.max_grad_norm is None:
         out.append("no gradient clipping")
@@ -292,7 +296,7 @@ def _leanest(base: RunConfig, family: dict, fixed: dict, device: str,
     lean = [[(strategy.path, value) for value in _tried(strategy, strategy.lean, device, shape)]
             for strategy in STEP_STRATEGIES]
     for optimizer, *switches in itertools.product(OPTIMIZERS_LEAN, *lean):
-        update = {"precision": "bf16-pure", "memory.checkpointing": "full", "optim.name": optimizer,
+        update = {"precision": PRECISION_LEAN, "memory.checkpointing": "full", "optim.name": optimizer,
                   **dict(switches), "batch.micro_batch": 1, "batch.grad_accum": 1, "budget": None, **family}
         out.append(_with_forced(update, base, fixed))
     return out

@@ -22,6 +22,7 @@ from memfit.memory.costs import QUANTS, checkpointed_layers
 from memfit.memory.model_shape import ModelShape, adapted_linears, linear_leaf_names, lora_params, trainable_params
 from memfit.strategies.loss import auto_chunk_tokens
 from memfit.strategies.optimizers import TrainedParams, optimizer_entry
+from memfit.strategies.precision import precision_entry
 from memfit.strategies.table import STEP_STRATEGIES
 
 MiB, GiB = 2**20, 2**30
@@ -37,13 +38,23 @@ CUDA_HOST_BYTES = 1 * GiB            # assumed host RSS of the CUDA runtime and 
                                      # bench/gpu_validate.py records the real process RSS)
 
 def _weight_size(cfg: RunConfig) -> int:
-    """Bytes per parameter of the model's weights (fp32 master weights unless bf16-pure)."""
-    return 2 if cfg.precision == "bf16-pure" else 4
+    """Bytes per parameter of the model's weights (the precision's weight dtype)."""
+    return precision_entry(cfg.precision).weight_bytes
 
 
 def _compute_size(cfg: RunConfig) -> int:
-    """Bytes per element of matmul outputs: 2 under 16-bit autocast, else the weights' size."""
-    return 2 if cfg.precision in ("bf16-mixed", "fp16-mixed") else _weight_size(cfg)
+    """Bytes per element of matmul outputs: the autocast dtype's under autocast, else the weights'."""
+    return precision_entry(cfg.precision).compute_bytes
+
+
+def _half_weights(cfg: RunConfig) -> bool:
+    """A 16-bit model: each norm upcasts its input and keeps that fp32 copy instead of the input."""
+    return _weight_size(cfg) < 4
+
+
+def _fp32_compute(cfg: RunConfig) -> bool:
+    """Everything computes in fp32, the LoRA adapters' own dtype: peft's cast of their input is a no-op."""
+    return _compute_size(cfg) == 4
 
 
 def _quant_mode(cfg: RunConfig) -> str:
@@ -74,7 +85,8 @@ def weights_bytes(shape: ModelShape, cfg: RunConfig) -> int:
 
 
 def _trainable_size(cfg: RunConfig) -> int:
-    return 4 if cfg.method != "full" else _weight_size(cfg)  # adapters are fp32 (peft's autocast_adapter_dtype)
+    # adapters are fp32 (peft's autocast_adapter_dtype); full fine-tuning trains the master weights
+    return 4 if cfg.method != "full" else precision_entry(cfg.precision).master_bytes
 
 
 def gradient_bytes(shape: ModelShape, cfg: RunConfig) -> int:
@@ -118,7 +130,7 @@ def _layer_activation_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> floa
 
     # residual stream: the input of each norm (its backward reads it). A bf16 model's RMSNorm keeps an
     # fp32 copy of its input instead, so there the residual itself is not kept.
-    pure = cfg.precision == "bf16-pure"
+    pure = _half_weights(cfg)
     total = 0 if pure else shape.norms_per_layer * h * p
     # norm internals: fp32 x*rsqrt (kept for the norm weight's gradient), rsqrt; bf16 model: fp32 copy of
     # x and the 16-bit normalised value
@@ -175,7 +187,7 @@ def _adapter_inputs_bytes_per_token(n: int, width: int, cfg: RunConfig, kept_els
     if n == 0:
         return 0
     dropout = cfg.lora.dropout > 0
-    shared = cfg.precision == "fp32" and not dropout
+    shared = _fp32_compute(cfg) and not dropout
     copies = (0 if kept_elsewhere else 1) if shared else n
     return width * (copies * _adapter_input_size(cfg) + _dropout_masks_bytes(n, cfg))
 
@@ -256,7 +268,7 @@ def _weight_copies_bytes(shape: ModelShape, cfg: RunConfig) -> int:
 def _norm_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> float:
     """One norm: its input (unless a bf16 model's fp32 copy replaces it) and its internals."""
     h, p, full = shape.hidden, _weight_size(cfg), cfg.method == "full"
-    if cfg.precision == "bf16-pure":
+    if _half_weights(cfg):
         return 4 * h + 2 * h * full + 4
     return h * p + 4 * h * full + 4
 
@@ -346,7 +358,7 @@ def _mlp_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
     intermediates = width * a * (3 if shape.family == "llama" else 2)
     freed = width * a if _down_input_saved(shape, cfg) else 0
     adapter = 0
-    if cfg.method != "full" and _down_input_saved(shape, cfg) and cfg.precision != "fp32":
+    if cfg.method != "full" and _down_input_saved(shape, cfg) and not _fp32_compute(cfg):
         adapter = width * (_weight_size(cfg) + (4 if cfg.lora.dropout > 0 else 0))
     return int(tokens * (intermediates - freed + adapter))
 
@@ -400,7 +412,7 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig) -> dict[str, dict[str, in
     last_ckpt = bool(ckpt_every) and (shape.layers - 1) % ckpt_every == 0
     # a recomputed layer's saved tensors include its residual input (not in bf16-pure, where the
     # norm keeps an fp32 copy instead), which the checkpoint already holds in the activations
-    ckpt_input = 0 if cfg.precision == "bf16-pure" else tokens * shape.hidden * _weight_size(cfg)
+    ckpt_input = 0 if _half_weights(cfg) else tokens * shape.hidden * _weight_size(cfg)
     # the first layer's backward: everything else freed; its own activations (recomputed if checkpointed)
     grads_before_first = grads - (grads // shape.layers if cfg.method == "full" else 0)
     small = 4 * tokens * 8 + 2 * cfg.data.seq_len * shape.head_dim * 4
@@ -431,9 +443,10 @@ def runtime_overheads(cfg: RunConfig, device: str, transient_bytes: int) -> dict
 def cpu_ram_bytes(shape: ModelShape, cfg: RunConfig, device: str) -> dict[str, int]:
     """Host RAM: the runtime, the loading path, the data side, anything offloaded."""
     terms = {"runtime": CPU_RUNTIME_BYTES + (CUDA_HOST_BYTES if device == "cuda" else 0)}
-    # safetensors are memory-mapped; from_pretrained materialises one full copy in the load dtype
-    # (on CUDA it then moves to the GPU and the host copy is freed, so the peak is one copy).
-    load = shape.total_params * (2 if cfg.precision != "fp32" else 4)
+    # safetensors are memory-mapped; from_pretrained materialises one full copy in the load dtype, counted
+    # at the compute dtype's size (on CUDA it then moves to the GPU and the host copy is freed, so the peak
+    # is one copy).
+    load = shape.total_params * _compute_size(cfg)
     terms["model_load"] = load
     # The data path's own estimate; a data.path that cannot be read here stops the plan with its DataError.
     terms["data"] = int(estimate_data_ram_bytes(cfg))

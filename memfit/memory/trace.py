@@ -38,9 +38,8 @@ from memfit.config import RunConfig
 from memfit.errors import MemfitError
 from memfit.memory.estimate import Estimate
 from memfit.memory.tracker import MemoryTracker
-from memfit.strategies.loss import plain_loss
 from memfit.strategies.optimizers import optimizer_entry
-from memfit.step import step_strategies, training_step
+from memfit.step import step_strategies, tracked_steps
 
 log = logging.getLogger(__name__)
 
@@ -287,19 +286,11 @@ def trace_estimate(cfg: RunConfig, device: str | torch.device | None = None, pad
     dropout = _fused_dropout() if target.type == "cuda" else nullcontext()
     with fake_mode, _compiled_functions_for_trace(), dropout:
         strategies = step_strategies(cfg, target, optimizer, params, traced=True)
-        # The same sequence of tracker calls as memfit.train.loop.train.
-        with tracker:
-            tracker.tag_module(model)
-            for step in range(1, TRACED_STEPS + 1):
-                micro_batches = [fake_batch(cfg, padded) for _ in range(cfg.batch.grad_accum)]
-                for batch in micro_batches:
-                    tracker.tag(batch.values(), "activations")
-                if step < TRACED_STEPS:  # see _GradientsOnly: only the optimizer's first update
-                    training_step(_GradientsOnly(params), optimizer, micro_batches, precision, tracker, params,
-                                  cfg.optim.max_grad_norm, **{**strategies, "loss_fn": plain_loss})
-                else:
-                    training_step(model, optimizer, micro_batches, precision, tracker, params,
-                                  cfg.optim.max_grad_norm, **strategies)
+        with tracker:  # the trainer's own tracked steps; step 1 only lets the optimizer create its states
+            for _ in tracked_steps(tracker, run, strategies, cfg.optim.max_grad_norm, range(TRACED_STEPS),
+                                   lambda _: [fake_batch(cfg, padded) for _ in range(cfg.batch.grad_accum)],
+                                   stand_in_first=_GradientsOnly(params)):
+                pass
             if cfg.eval.enabled:
                 _trace_evaluation(cfg, model, strategies["loss_fn"], precision, tracker, padded)
 

@@ -1,10 +1,17 @@
-"""Numeric precision: where weights live, what the forward computes in, how gradients are scaled.
+"""The numeric precisions memfit offers: one entry each, listed in one table, and the plan the trainer runs.
 
   fp32        everything fp32.
   bf16-mixed  fp32 master weights, gradients and optimizer states; forward/backward matmuls in
               bf16 under autocast. Saves activation memory, not weight memory.
   fp16-mixed  as bf16-mixed with fp16, plus a dynamic loss scaler (fp16 underflows otherwise).
   bf16-pure   weights, gradients and optimizer states all bf16 (half of every model-state byte).
+
+An entry (`PrecisionEntry`) gives the dtypes the trainer builds and computes in (`make_precision` turns
+it into the `PrecisionPlan` the step runs) and what the planner reads of them: bytes per weight, per
+trained value and per computed element (the dtypes' own sizes), what the search tries and what it gives
+up. Everything else reads `PRECISION_ENTRIES`: the config's `precision` choices, `memfit plan
+--precision`, the analytic memory terms (memory/single_device.py, memory/phases.py), the speed model
+(memory/costs.py) and the search (memory/search.py). Entries hold values, never the RunConfig.
 """
 
 from __future__ import annotations
@@ -15,6 +22,61 @@ from dataclasses import dataclass
 import torch
 
 from memfit.errors import MemfitError
+
+
+@dataclass(frozen=True)
+class PrecisionEntry:
+    name: str                                   # the value of `precision`
+    weight_dtype: torch.dtype                   # the dtype the model's weights are built in
+    autocast_dtype: torch.dtype | None = None   # the matmuls' dtype under autocast; None: no autocast
+    scaler: bool = False                        # a dynamic loss scaler (fp16's range underflows small gradients)
+    searched: bool = False                      # one of the precisions the planner's search tries
+    gives_up: str = ""                          # what it trades against bf16-mixed, for the plan's table
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the forward's and backward's matmul outputs."""
+        return self.weight_dtype if self.autocast_dtype is None else self.autocast_dtype
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype of the values the optimizer updates, their gradients and states: the weights
+        themselves, since memfit trains the model's own parameters (it keeps no separate master copy)."""
+        return self.weight_dtype
+
+    @property
+    def weight_bytes(self) -> int:
+        return self.weight_dtype.itemsize
+
+    @property
+    def compute_bytes(self) -> int:
+        return self.compute_dtype.itemsize
+
+    @property
+    def master_bytes(self) -> int:
+        return self.master_dtype.itemsize
+
+    @property
+    def needs_bf16(self) -> bool:
+        return torch.bfloat16 in (self.weight_dtype, self.autocast_dtype)
+
+
+FP32 = PrecisionEntry("fp32", torch.float32)
+BF16_MIXED = PrecisionEntry("bf16-mixed", torch.float32, torch.bfloat16, searched=True)
+FP16_MIXED = PrecisionEntry("fp16-mixed", torch.float32, torch.float16, scaler=True,
+                            gives_up="fp16 range (loss scaling)")
+BF16_PURE = PrecisionEntry("bf16-pure", torch.bfloat16, searched=True, gives_up="no fp32 master weights")
+
+# The table: the order of the config's choices, of `memfit plan --precision` and of the search.
+PRECISION_ENTRIES = (FP32, BF16_MIXED, FP16_MIXED, BF16_PURE)
+PRECISIONS = tuple(entry.name for entry in PRECISION_ENTRIES)
+_BY_NAME = {entry.name: entry for entry in PRECISION_ENTRIES}
+
+
+def precision_entry(name: str) -> PrecisionEntry:
+    if name not in _BY_NAME:
+        raise MemfitError(f"precision: unknown '{name}'; allowed: {', '.join(PRECISIONS)}")
+    return _BY_NAME[name]
 
 
 @dataclass
@@ -59,16 +121,11 @@ def total_grad_norm(params: list[torch.nn.Parameter]) -> torch.Tensor:
 
 
 def make_precision(name: str, device: torch.device) -> PrecisionPlan:
+    """The plan the trainer's step runs for the entry `name` on `device`."""
+    entry = precision_entry(name)
     device_type = device.type
-    if name in ("bf16-mixed", "bf16-pure") and device_type == "cuda" and not torch.cuda.is_bf16_supported():
+    if entry.needs_bf16 and device_type == "cuda" and not torch.cuda.is_bf16_supported():
         raise MemfitError(f"precision: {name} needs a GPU with bfloat16 support (Ampere or newer); "
                           "this GPU has none: use precision: fp16-mixed")
-    if name == "fp32":
-        return PrecisionPlan(name, device_type, torch.float32, None, None)
-    if name == "bf16-mixed":
-        return PrecisionPlan(name, device_type, torch.float32, torch.bfloat16, None)
-    if name == "fp16-mixed":
-        return PrecisionPlan(name, device_type, torch.float32, torch.float16, torch.amp.GradScaler(device_type))
-    if name == "bf16-pure":
-        return PrecisionPlan(name, device_type, torch.bfloat16, None, None)
-    raise MemfitError(f"precision: unknown '{name}'; allowed: fp32, bf16-mixed, fp16-mixed, bf16-pure")
+    scaler = torch.amp.GradScaler(device_type) if entry.scaler else None
+    return PrecisionPlan(entry.name, device_type, entry.weight_dtype, entry.autocast_dtype, scaler)

@@ -25,7 +25,7 @@ from memfit.memory.trace import trace_estimate
 from memfit.models.loading import check_tokenizer, check_weights, load_model_config, load_tokenizer
 from memfit.models.validate import check_model, model_where
 from memfit.models.merge import save_adapter_outputs
-from memfit.step import step_strategies, training_step
+from memfit.step import step_strategies, tracked_steps
 from memfit.strategies.adapters import check_lora_targets_on_meta
 from memfit.train.error_log import ThreadErrorsToLog
 from memfit.train.evaluate import Evaluation
@@ -96,7 +96,8 @@ def _train(cfg: RunConfig, progress: bool) -> RunResult:
     tokenizer = load_tokenizer(cfg.model)
     stream = build_batch_stream(cfg, tokenizer, device, engine.ctx.dp_rank, engine.ctx.dp_size)  # this rank's slice
     run = build_run(cfg, device, on_meta=engine.builds_on_meta, place_on=engine.place_on, wrap=engine.wrap)
-    model, optimizer, precision = run.model, run.optimizer, engine.precision(run.model, run.precision)
+    run.precision = engine.precision(run.model, run.precision)  # DeepSpeed's engine runs backward and step
+    model, optimizer, precision = run.model, run.optimizer, run.precision
     scheduler = make_scheduler(engine.torch_optimizer(optimizer), cfg.optim, cfg.max_steps)
     out = engine.on_main_first(prepare_output_dir)
     with keep_configured_hyperparameters(engine.torch_optimizer(optimizer), scheduler):  # a resume may change lr
@@ -116,25 +117,22 @@ def _train(cfg: RunConfig, progress: bool) -> RunResult:
     # Threads' tracebacks go to errors.log, so that a failure ends with memfit's one-line message.
     with (tracker, StopOnSignal() as stop, ThreadErrorsToLog(out),
           MetricsLog(out, cfg.logging.report_to, config, engine.is_main) as metrics):
-        tracker.tag_module(model)
         try:
-            for step in bar:
-                started, peak_before = time.perf_counter(), tracker.peak_bytes
-                tracker.mark_step()
-                micro_batches = next_micro_batches(stream, cfg.batch.grad_accum, device, tracker)
-                result = oom.run(lambda pieces: training_step(
-                    model, optimizer, pieces, precision, tracker, run.params, cfg.optim.max_grad_norm,
-                    target_count=engine.target_count, **strategies), micro_batches, optimizer)
-                if tracker.peak_bytes > peak_before:  # the same pieces oom.run just trained on
-                    peak_shape = BatchShape.of(split_batches(micro_batches, oom.micro_batch))
+            for tracked in tracked_steps(tracker, run, strategies, cfg.optim.max_grad_norm, bar,
+                                         lambda _: next_micro_batches(stream, cfg.batch.grad_accum, device),
+                                         attempt=lambda train, pieces: oom.run(train, pieces, optimizer),
+                                         target_count=engine.target_count):
+                step, result = tracked.key, tracked.result
+                if tracked.raised_peak:  # the same pieces oom.run just trained on
+                    peak_shape = BatchShape.of(split_batches(tracked.micro_batches, oom.micro_batch))
                 result.loss = engine.reduce_loss(result.loss)  # what one process would report
                 lr = float(scheduler.get_last_lr()[0])  # torchao keeps lr as a tensor (so compile does not retrace)
                 scheduler.step()
                 state.losses.append(result.loss)
                 nonfinite_in_row = nonfinite_in_row + 1 if result.nonfinite else 0
                 state.nonfinite_total += result.nonfinite
-                log_step(metrics, bar, cfg, step, result, lr, time.perf_counter() - started, stream.epoch, tracker,
-                         nonfinite_in_row, state.nonfinite_total)
+                log_step(metrics, bar, cfg, step, result, lr, time.perf_counter() - tracked.started_s, stream.epoch,
+                         tracker, nonfinite_in_row, state.nonfinite_total)
                 if evaluation.due(step):
                     scores, keep = evaluation.run(step, model, strategies["loss_fn"], precision.autocast, tracker, device)
                     if scores is not None:  # None: it failed; the checkpoint below keeps the weights, then it stops
@@ -189,12 +187,9 @@ def keep_work(exc: OutputWriteError, engine: Engine, out: Path, state, step: int
                             "folder, then continue with resume=true")
 
 
-def next_micro_batches(stream, count: int, device: torch.device, tracker) -> list[dict]:
-    """One step's micro-batches on the device; the tracker counts their tensors as activations."""
-    micro_batches = [{k: v.to(device) for k, v in stream.next_batch().items()} for _ in range(count)]
-    for batch in micro_batches:
-        tracker.tag(batch.values(), "activations")
-    return micro_batches
+def next_micro_batches(stream, count: int, device: torch.device) -> list[dict]:
+    """One step's micro-batches on the device."""
+    return [{k: v.to(device) for k, v in stream.next_batch().items()} for _ in range(count)]
 
 
 def log_step(metrics: MetricsLog, bar, cfg: RunConfig, step: int, result, lr: float, step_time_s: float,

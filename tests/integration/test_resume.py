@@ -24,10 +24,11 @@ import memfit.train.loop as loop
 from memfit.config import load_config
 from memfit.errors import MemfitError
 from memfit.checkpoint import PAUSE_ENV, checkpoint_dirs, verify
+from memfit.step import training_step
 from memfit.train.signals import TrainingStopped
 
 REPO = Path(__file__).resolve().parents[2]
-REAL_STEP = loop.training_step
+REAL_STEP = training_step  # the loop runs it through memfit.step.tracked_steps
 
 
 def write_texts(path: Path, n: int = 24, seed: int = 3) -> Path:
@@ -78,7 +79,7 @@ class Recorder:
         self.real, self.signal_at, self.nan_steps = REAL_STEP, signal_at, set(nan_steps)
         self.sequences: list[list[tuple]] = []
         self.weights_before: list[torch.Tensor] = []
-        monkeypatch.setattr(loop, "training_step", self)
+        monkeypatch.setattr("memfit.step.training_step", self)
 
     def __call__(self, model, optimizer, micro_batches, *args, **kwargs):
         step = len(self.sequences) + 1

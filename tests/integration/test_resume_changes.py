@@ -13,10 +13,11 @@ import pytest
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.errors import MemfitError
+from memfit.step import training_step
 from memfit.train import loop
 from memfit.train.output_dir import DATA_IDENTITY_FILE, RunAlreadyFinished
 
-REAL_STEP = loop.training_step
+REAL_STEP = training_step  # the loop runs it through memfit.step.tracked_steps
 
 
 def _data(path: Path, word: str = "record", n: int = 12) -> Path:
@@ -60,7 +61,7 @@ def _nan_at(monkeypatch, steps: set[int]) -> None:
             if hook:
                 hook.remove()
 
-    monkeypatch.setattr(loop, "training_step", step)
+    monkeypatch.setattr("memfit.step.training_step", step)
 
 
 @pytest.mark.slow  # three short runs: about 30 s on the loaded 2-core machine
@@ -68,7 +69,7 @@ def test_after_a_nonfinite_stop_a_lower_lr_resumes_and_takes_effect(tmp_path, mo
     _nan_at(monkeypatch, {3, 4})
     with pytest.raises(MemfitError, match=r"Last good checkpoint: .*step-00000002\. Lower lr"):
         _train(tmp_path, "optim.max_nonfinite_steps=2")
-    monkeypatch.setattr(loop, "training_step", REAL_STEP)
+    monkeypatch.setattr("memfit.step.training_step", REAL_STEP)
     with caplog.at_level(logging.WARNING):
         result = _train(tmp_path, "resume=true", "optim.lr=0.0003", "optim.max_nonfinite_steps=2")
     assert "resume: optim.lr 0.001 -> 0.0003" in caplog.text

@@ -5,40 +5,17 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
-from memfit.build import build_run
 from memfit.config import load_config
 from memfit.memory import single_device as terms
 from memfit.memory.analytic import analytic_estimate
+from memfit.memory.measure import measure_peak
 from memfit.memory.model_shape import model_shape
-from memfit.memory.tracker import MemoryTracker
 from memfit.models.loading import build_model, load_model_config
 from memfit.models.presets import load_preset_config
 from memfit.strategies.adapters import apply_method
-from memfit.step import training_step
 
 GB = 10**9
-
-
-def measure_peak(cfg, steps: int = 2) -> tuple[int, dict]:
-    """Peak tracked bytes of `steps` real training steps on CPU, set up as train() does (full-length batches)."""
-    device = torch.device("cpu")
-    torch.manual_seed(0)
-    run = build_run(cfg, device)
-    model, optimizer, precision, params = run.model, run.optimizer, run.precision, run.params
-    vocab = model.config.vocab_size
-    tracker = MemoryTracker()
-    with tracker:
-        tracker.tag_module(model)
-        for _ in range(steps):
-            ids = torch.randint(0, vocab, (cfg.batch.micro_batch, cfg.data.seq_len))
-            batches = [dict(input_ids=ids, attention_mask=torch.ones_like(ids), labels=ids.clone())
-                       for _ in range(cfg.batch.grad_accum)]
-            for batch in batches:
-                tracker.tag(batch.values(), "activations")
-            training_step(model, optimizer, batches, precision, tracker, params, cfg.optim.max_grad_norm)
-    return tracker.peak_bytes, tracker.peak_by_category()
 
 
 @pytest.fixture(scope="module")
