@@ -32,10 +32,23 @@ def _not_the_cpu_accelerator_warning(record: logging.LogRecord) -> bool:
     return "Setting accelerator to CPU" not in record.getMessage()
 
 
+def _library_progress_bars(enabled: bool) -> None:
+    """--no-progress also silences the bars transformers and huggingface_hub draw (loading and saving
+    weights), so that the terminal shows only memfit's own lines."""
+    if enabled:
+        return
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils.logging import disable_progress_bar
+
+    disable_progress_bar()
+    disable_progress_bars()
+
+
 def cmd_train(args) -> int:
     from memfit.config import load_config
     from memfit.train.loop import train
 
+    _library_progress_bars(not args.no_progress)
     cfg = load_config(args.config, args.overrides)
     result = train(cfg, progress=not args.no_progress)
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 prints
@@ -142,6 +155,7 @@ def cmd_demo(args) -> int:
     from memfit.config import load_config
     from memfit.train.loop import train
 
+    _library_progress_bars(not args.no_progress)
     overrides = ["output_dir=runs/demo", "overwrite=true", *args.overrides]
     cfg = load_config(_shipped_config("demo.yaml"), overrides)
     print(f"memfit demo: fine-tuning {cfg.model.name} on {cfg.data.path} for {cfg.max_steps} steps "
