@@ -27,6 +27,7 @@ from typing import Callable, Iterable
 import torch
 
 from memfit.errors import MemfitError, require
+from memfit.strategies.entries import entry_lookup
 
 log = logging.getLogger(__name__)
 
@@ -134,14 +135,7 @@ SGD = OptimizerEntry(
 
 # The table: the order of the config's choices, of `memfit plan --optimizer` and of the search.
 OPTIMIZER_ENTRIES = (ADAMW, ADAMW_8BIT, PAGED_ADAMW_8BIT, ADAFACTOR, LION, LION_8BIT, SGD)
-OPTIMIZERS = tuple(entry.name for entry in OPTIMIZER_ENTRIES)
-_BY_NAME = {entry.name: entry for entry in OPTIMIZER_ENTRIES}
-
-
-def optimizer_entry(name: str) -> OptimizerEntry:
-    if name not in _BY_NAME:
-        raise MemfitError(f"optim.name: unknown '{name}'; allowed: {', '.join(OPTIMIZERS)}")
-    return _BY_NAME[name]
+OPTIMIZERS, optimizer_entry = entry_lookup(OPTIMIZER_ENTRIES, "optim.name")
 
 
 def build_optimizer(name: str, params: Iterable[torch.nn.Parameter], lr: float, weight_decay: float = 0.0,

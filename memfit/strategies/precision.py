@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from memfit.errors import MemfitError
+from memfit.strategies.entries import entry_lookup
 
 
 @dataclass(frozen=True)
@@ -69,14 +70,7 @@ BF16_PURE = PrecisionEntry("bf16-pure", torch.bfloat16, searched=True, gives_up=
 
 # The table: the order of the config's choices, of `memfit plan --precision` and of the search.
 PRECISION_ENTRIES = (FP32, BF16_MIXED, FP16_MIXED, BF16_PURE)
-PRECISIONS = tuple(entry.name for entry in PRECISION_ENTRIES)
-_BY_NAME = {entry.name: entry for entry in PRECISION_ENTRIES}
-
-
-def precision_entry(name: str) -> PrecisionEntry:
-    if name not in _BY_NAME:
-        raise MemfitError(f"precision: unknown '{name}'; allowed: {', '.join(PRECISIONS)}")
-    return _BY_NAME[name]
+PRECISIONS, precision_entry = entry_lookup(PRECISION_ENTRIES, "precision")
 
 
 @dataclass
