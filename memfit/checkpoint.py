@@ -347,6 +347,12 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler=Non
 # ---------------------------------------------------------------- resuming a run
 
 
+def aside_path(path: Path) -> Path:
+    """Where `path` is written before it is renamed into place: named per process, so two writers never
+    share it (`.<name>.<pid>.tmp`)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
 def truncate_metrics(out: Path, last_step: int) -> None:
     """Drop metrics lines after `last_step` (written after the checkpoint a resume starts from),
     so the resumed run appends each step exactly once. Rewritten atomically."""
@@ -360,7 +366,7 @@ def truncate_metrics(out: Path, last_step: int) -> None:
                 kept.append(line + "\n")
         except (ValueError, KeyError, TypeError):
             pass  # a line torn by a kill mid-write
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # per process: never another writer's
+    tmp = aside_path(path)
     _write_bytes(tmp, "".join(kept).encode())
     os.replace(tmp, path)
 

@@ -74,8 +74,7 @@ class BatchStream:
         self._batches: Iterator[dict] | None = None
         self.notes = notes
         if notes is not None and per_rank < micro_batch:
-            unit = "packed row(s)" if "doc_lengths" in examples[0] else "example(s)"
-            notes.shrink_micro_batch(micro_batch, per_rank, unit + (" per data-parallel process" if world > 1 else ""))
+            notes.shrink_micro_batch(micro_batch, per_rank, "doc_lengths" in examples[0], world)
 
     def _order(self) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)

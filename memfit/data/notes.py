@@ -12,13 +12,13 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 
-from memfit.data.examples import ProblemLog
+from memfit.data.examples import BAD, EMPTY, NO_RESPONSE, OVERSIZE, ProblemLog
 
 log = logging.getLogger(__name__)
 
 # How the summary names each kind of dropped record (data/examples.py's kinds).
-DROPPED_TEXT = {"malformed": "malformed", "oversize": "over data.max_record_bytes", "empty": "empty",
-                "no-response": "with no response token within data.seq_len"}
+DROPPED_TEXT = {BAD: "malformed", OVERSIZE: "over data.max_record_bytes", EMPTY: "empty",
+                NO_RESPONSE: "with no response token within data.seq_len"}
 
 
 @dataclass
@@ -46,9 +46,10 @@ class DataNotes:
         return cls(meta.get("seq_len"), report.get("records"), report.get("examples"), 0, report.get("truncated"),
                    report.get("truncated_tokens", 0), dict(report.get("skipped", {})), scope="prepared")
 
-    def shrink_micro_batch(self, asked: int, available: int, unit: str = "example(s)") -> None:
-        """Every micro-batch holds `available` rows instead of `asked` (the data is smaller than one
-        micro-batch): say so now, and in the summary."""
+    def shrink_micro_batch(self, asked: int, available: int, packed: bool, world: int) -> None:
+        """Every micro-batch holds `available` rows instead of `asked` (the data, or this data-parallel
+        process's share of it, is smaller than one micro-batch): say so now, and in the summary."""
+        unit = ("packed row(s)" if packed else "example(s)") + (" per data-parallel process" if world > 1 else "")
         self.micro_batch_note = (f"micro-batches hold {available} row(s), not batch.micro_batch={asked}: the data "
                                  f"holds only {available} {unit}; lower batch.micro_batch (raise "
                                  "batch.grad_accum to keep the batch size) or add data")

@@ -149,9 +149,8 @@ class StreamingBatches:
         return {k: v.pin_memory() for k, v in batch.items()} if self.pin_memory else batch
 
     def _shrunk(self, rows: int) -> None:
-        notes = DataNotes(self.seq_len)
-        unit = "packed row(s)" if self.packing else "example(s)"
-        notes.shrink_micro_batch(self.micro_batch, rows, unit + (" per data-parallel process" if self.world > 1 else ""))
+        notes = DataNotes(self.seq_len)  # `notes` is made anew from each pass; the note outlives them
+        notes.shrink_micro_batch(self.micro_batch, rows, self.packing, self.world)
         self._micro_batch_note = notes.micro_batch_note
 
     def state_dict(self) -> dict:

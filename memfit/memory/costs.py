@@ -15,7 +15,7 @@ import math
 from dataclasses import dataclass
 
 from memfit.memory.gpus import GPU
-from memfit.memory.model_shape import ModelShape, trainable_params
+from memfit.memory.model_shape import ModelShape, trainable_params, trainable_value_bytes
 from memfit.strategies.optimizers import optimizer_entry
 from memfit.strategies.precision import precision_entry
 from memfit.strategies.table import STEP_STRATEGIES
@@ -108,7 +108,7 @@ def step_time(terms, gpu: GPU, gpus: int = 1) -> dict[str, float]:
         terms["dequantize"] = shape.block_linear_params * quant.dequant_bytes * passes * micro_batches / memory_rate
 
     trainable = trainable_params(shape, cfg)
-    master = 4 if cfg.method != "full" else precision.master_bytes  # adapters are fp32
+    master = trainable_value_bytes(cfg)
     states = optimizer_entry(cfg.optim.name).state_bytes_per_value(master)
     data_parallel = max(gpus // model_parallel, 1)
     sharded = data_parallel if cfg.distributed.sharding in ("zero1", "zero2", "zero3") else 1

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from memfit.distributed.pipeline import stage_blocks
 from memfit.memory import single_device as single
 from memfit.memory.estimate import Estimate
-from memfit.memory.model_shape import adapted_linears, model_shape
+from memfit.memory.model_shape import adapted_linears, model_shape, trainable_value_bytes
 from memfit.memory.tracker import CATEGORIES
 from memfit.models.loading import load_model_config
 from memfit.strategies.optimizers import optimizer_entry
@@ -130,7 +130,7 @@ def rank_activations(shape, cfg, stage: int = 0) -> int:
 
 
 def _largest_tensor_bytes(shape, cfg, states: RankStates) -> int:
-    size = single._trainable_size(cfg)
+    size = trainable_value_bytes(cfg)
     if cfg.method != "full":
         return max((cfg.lora.rank * max(i, o) for _, i, o in adapted_linears(shape, cfg)), default=0) * 4
     largest = max([shape.embedding_params, shape.lm_head_params] + [i * o for _, i, o in shape.linear])

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 from memfit.config import RunConfig
+from memfit.strategies.adapters import targets_module
+from memfit.strategies.precision import precision_entry
 
 
 @dataclass(frozen=True)
@@ -108,8 +110,7 @@ def model_shape(model_config) -> ModelShape:
 def _is_target(name: str, targets) -> bool:
     if targets == "all-linear":
         return True
-    leaf = name.rsplit(".", 1)[-1]
-    return any(leaf == t or name.endswith("." + t) or name == t for t in targets)
+    return any(targets_module(name, t) for t in targets)
 
 
 def adapted_linears(shape: ModelShape, cfg: RunConfig) -> tuple[tuple[str, int, int], ...]:
@@ -145,3 +146,9 @@ def trainable_params(shape: ModelShape, cfg: RunConfig) -> int:
     if getattr(cfg.lora, "train_lm_head", False):
         extra += shape.lm_head_params or shape.embedding_params
     return lora_params(shape, cfg) + extra
+
+
+def trainable_value_bytes(cfg: RunConfig) -> int:
+    """Bytes of each trainable value and of its gradient: LoRA adapters are fp32 (peft's
+    autocast_adapter_dtype); full fine-tuning trains the weights in the precision's master dtype."""
+    return 4 if cfg.method != "full" else precision_entry(cfg.precision).master_bytes

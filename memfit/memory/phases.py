@@ -8,8 +8,7 @@ bytes (tensors on the device) and host RAM bytes, per process.
 
 from __future__ import annotations
 
-from memfit.memory.model_shape import ModelShape, trainable_params
-from memfit.strategies.precision import precision_entry
+from memfit.memory.model_shape import ModelShape, trainable_params, trainable_value_bytes
 
 
 def _largest_linear(shape: ModelShape) -> int:
@@ -33,8 +32,7 @@ def load_phase(shape: ModelShape, cfg, weights: int, host_load: int, host_base: 
 def checkpoint_phase(shape: ModelShape, cfg, weights: int, states: int, host_base: int) -> dict[str, int]:
     """Saving a resumable checkpoint after an optimizer step: gradients are freed, the trainable
     weights and the optimizer states are copied to host RAM before they are written."""
-    master = 4 if cfg.method != "full" else precision_entry(cfg.precision).master_bytes  # adapters are fp32
-    host_copy = trainable_params(shape, cfg) * master + states
+    host_copy = trainable_params(shape, cfg) * trainable_value_bytes(cfg) + states
     return {"gpu": weights + states, "cpu_ram": host_base + host_copy}
 
 

@@ -5,10 +5,9 @@ GiB (2^30 bytes), said where it is printed."""
 from __future__ import annotations
 
 from memfit.config import RunConfig
-from memfit.memory.model_shape import model_shape, trainable_params
+from memfit.memory.model_shape import model_shape, trainable_params, trainable_value_bytes
 from memfit.memory.planner import Plan
 from memfit.memory.search import config_summary
-from memfit.memory.single_device import _trainable_size
 from memfit.models.loading import load_model_config
 from memfit.models.validate import POSITIONS
 from memfit.strategies.table import STEP_STRATEGIES
@@ -19,7 +18,7 @@ def plan_text(result: Plan) -> str:
     est, cfg = result.estimate, result.cfg
     shape = model_shape(_model_config(cfg))
     trainable = trainable_params(shape, cfg)
-    master = min(trainable * _trainable_size(cfg), est.by_category["weights"])
+    master = min(trainable * trainable_value_bytes(cfg), est.by_category["weights"])
     lines = [f"memfit plan: {result.model} ({_params(shape.total_params)} parameters, "
              f"{_params(trainable)} trainable), engine {est.engine}, per GPU",
              f"run as described: {config_summary(cfg)}",

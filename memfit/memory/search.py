@@ -222,6 +222,15 @@ def _no_adapters(cfg: RunConfig, shape: ModelShape) -> str | None:
             f"({', '.join(sorted(linear_leaf_names(shape)))}); set --lora-targets")
 
 
+def _strategy_problem(cfg: RunConfig, shape: ModelShape) -> str | None:
+    """Why a step strategy `cfg` switches on cannot run on a model of `shape` (the user fixed it on)."""
+    for strategy in STEP_STRATEGIES:
+        if strategy.model_problem and getattr(cfg.memory, strategy.name):
+            if problem := strategy.model_problem(shape):
+                return problem
+    return None
+
+
 def _build(base: RunConfig, update: dict, model_config, gpus: int) -> RunConfig | list[str]:
     """The candidate, or why the trainer would refuse it: its config rules (checked on every
     construction), layer shapes its quantization backend cannot take and, on several GPUs, the
@@ -231,9 +240,7 @@ def _build(base: RunConfig, update: dict, model_config, gpus: int) -> RunConfig 
     except ConfigError as exc:
         return exc.problems
     shape = model_shape(model_config)
-    problem = quant_shape_problem(cfg, shape.linear) or _no_adapters(cfg, shape) or next(
-        (strategy.model_problem(shape) for strategy in STEP_STRATEGIES
-         if strategy.model_problem and getattr(cfg.memory, strategy.name) and strategy.model_problem(shape)), None)
+    problem = quant_shape_problem(cfg, shape.linear) or _no_adapters(cfg, shape) or _strategy_problem(cfg, shape)
     if problem:
         return [problem]
     if gpus > 1 or cfg.distributed.tensor_parallel > 1 or cfg.distributed.pipeline_parallel > 1:

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 from memfit.config import RunConfig
 from memfit.data.ram import estimate_data_ram_bytes
 from memfit.memory.costs import QUANTS, checkpointed_layers
-from memfit.memory.model_shape import ModelShape, adapted_linears, linear_leaf_names, lora_params, trainable_params
+from memfit.memory.model_shape import (ModelShape, adapted_linears, linear_leaf_names, lora_params, trainable_params,
+                                       trainable_value_bytes)
 from memfit.strategies.loss import auto_chunk_tokens
 from memfit.strategies.optimizers import TrainedParams, optimizer_entry
 from memfit.strategies.precision import precision_entry
@@ -84,14 +85,9 @@ def weights_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     return base + lora_params(shape, cfg) * 4
 
 
-def _trainable_size(cfg: RunConfig) -> int:
-    # adapters are fp32 (peft's autocast_adapter_dtype); full fine-tuning trains the master weights
-    return 4 if cfg.method != "full" else precision_entry(cfg.precision).master_bytes
-
-
 def gradient_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """One gradient per trainable parameter, in the parameter's dtype."""
-    return trainable_params(shape, cfg) * _trainable_size(cfg)
+    return trainable_params(shape, cfg) * trainable_value_bytes(cfg)
 
 
 def trained_params(shape: ModelShape, cfg: RunConfig) -> TrainedParams:
@@ -104,7 +100,7 @@ def trained_params(shape: ModelShape, cfg: RunConfig) -> TrainedParams:
         r = cfg.lora.rank
         matrices = tuple(m for _, i, o in adapted_linears(shape, cfg) for m in ((i, r), (r, o)))
         unfactored = 0
-    return TrainedParams(trainable_params(shape, cfg), _trainable_size(cfg), matrices, unfactored)
+    return TrainedParams(trainable_params(shape, cfg), trainable_value_bytes(cfg), matrices, unfactored)
 
 
 def optimizer_state_bytes(shape: ModelShape, cfg: RunConfig) -> int:
@@ -387,7 +383,7 @@ def _optimizer_scratch(shape: ModelShape, cfg: RunConfig) -> int:
     """torch's foreach steps (AdamW, SGD, Adafactor) build one scratch copy of the trainable parameters
     (e.g. Adam's denominator); bitsandbytes/torchao 8-bit optimizers update block by block."""
     if optimizer_entry(cfg.optim.name).foreach_scratch:
-        return trainable_params(shape, cfg) * _trainable_size(cfg)
+        return trainable_params(shape, cfg) * trainable_value_bytes(cfg)
     return 0
 
 
@@ -488,7 +484,7 @@ def _largest_param_bytes(shape: ModelShape, cfg: RunConfig) -> int:
         largest = max([i * o for _, i, o in shape.linear] + [shape.embedding_params, shape.lm_head_params or 0])
     else:
         largest = max([cfg.lora.rank * max(i, o) for _, i, o in adapted_linears(shape, cfg)] or [0])
-    return largest * _trainable_size(cfg)
+    return largest * trainable_value_bytes(cfg)
 
 
 @dataclass

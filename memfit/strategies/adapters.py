@@ -95,13 +95,18 @@ def modules_to_save(model: nn.Module, cfg: RunConfig) -> list[str]:
 _ADAPTABLE = (nn.Linear, nn.Embedding, nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
+def targets_module(name: str, target: str) -> bool:
+    """peft's rule for a lora.targets entry: the module's full name, or its last dotted components."""
+    return name == target or name.endswith("." + target)
+
+
 def check_lora_targets(model: nn.Module, targets) -> None:
-    """Refuse any name in `targets` that matches no module the way peft matches (`name == t` or
-    `name` ends in `.t`), listing the names the model does have."""
+    """Refuse any name in `targets` that matches no module the way peft matches (`targets_module`),
+    listing the names the model does have."""
     if targets == "all-linear":
         return
     names = [name for name, _ in model.named_modules()]
-    unknown = [t for t in targets if not any(name == t or name.endswith("." + t) for name in names)]
+    unknown = [t for t in targets if not any(targets_module(name, t) for name in names)]
     if not unknown:
         return
     have = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()

@@ -23,12 +23,11 @@ import fnmatch
 import glob
 import json
 import logging
-import os
 import shutil
 import tempfile
 from pathlib import Path
 
-from memfit.checkpoint import CHECKPOINTS_DIR, discard_checkpoints, newest_checkpoint_step
+from memfit.checkpoint import CHECKPOINTS_DIR, aside_path, discard_checkpoints, newest_checkpoint_step
 from memfit.config import RunConfig, move_flat_keys
 from memfit.data.identity import data_identity, identity_changes
 from memfit.errors import MemfitError
@@ -42,7 +41,7 @@ log = logging.getLogger(__name__)
 OUTPUTS_FILE = "memfit_outputs.json"
 DATA_IDENTITY_FILE = "data_identity.json"  # the training data's identity (memfit/data/identity.py)
 RUN_INFO = ".memfit-running.json"  # who holds the folder now (run_lock.py); never a run's output
-# Files memfit writes aside (`.<name>.<pid>.tmp`) and renames over these names.
+# Files memfit writes aside (memfit.checkpoint.aside_path) and renames over these names.
 ASIDE_WRITTEN = (OUTPUTS_FILE, "run_config.yaml", DATA_IDENTITY_FILE, "metrics.jsonl")
 # Names memfit may write at the top of a run folder (model and tokenizer files come from transformers
 # and peft). A foreign file with one of these names would be overwritten, so its folder is refused.
@@ -182,11 +181,6 @@ def _temporary(name: str) -> bool:
     return any(fnmatch.fnmatch(name, f".{base}*.tmp") for base in ASIDE_WRITTEN)
 
 
-def _aside(path: Path) -> Path:
-    """Where `path` is written before its rename: named per process, so two writers never share it."""
-    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
-
-
 def _check_free_disk(out: Path, needed_bytes: int) -> None:
     if needed_bytes <= 0:
         return
@@ -229,7 +223,7 @@ def _recorded(out: Path) -> dict:
 
 
 def _write_record(out: Path, record: dict) -> None:
-    tmp = _aside(out / OUTPUTS_FILE)  # written aside and renamed: a kill never leaves half a list
+    tmp = aside_path(out / OUTPUTS_FILE)  # written aside and renamed: a kill never leaves half a list
     tmp.write_text(json.dumps({**record, "outputs": sorted(set(record["outputs"])),
                                "not_ours": sorted(set(record["not_ours"]))}, indent=1) + "\n")
     tmp.replace(out / OUTPUTS_FILE)
@@ -305,7 +299,7 @@ def _record_run(out: Path, cfg: RunConfig) -> None:
 
 
 def _write_aside(path: Path, text: str) -> None:
-    tmp = _aside(path)  # written aside and renamed: a kill never leaves half a file
+    tmp = aside_path(path)  # written aside and renamed: a kill never leaves half a file
     tmp.write_text(text)
     tmp.replace(path)
 
