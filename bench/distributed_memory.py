@@ -7,7 +7,7 @@ Same set-up as tests/integration/test_distributed.py: tiny Llama, fixed-length t
 per sequence), 3 steps, 2 gloo ranks on the CPU; data-parallel engines take micro_batch 1 per
 rank (global 2), tensor/pipeline parallel micro_batch 2, the single-process reference 2.
 Prints, per engine, each rank's tracker peak, the planner's per-rank estimate
-(memfit.memory.distributed_estimate.rank_estimate) and the largest loss difference from the
+(memfit.memory.analytic.analytic_estimate, as `memfit plan --gpus N` runs it) and the largest loss difference from the
 single-process run.
 """
 
@@ -35,11 +35,12 @@ WORKER = '''
 import os, sys, torch.distributed as dist
 from memfit.config import load_config
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 dist.init_process_group("gloo")
 config, out = sys.argv[1], sys.argv[2]
 for line in open(os.path.join(out, "engines.txt")):
     name, *overrides = line.split()
-    train(load_config(config, [f"output_dir={os.path.join(out, name)}", *overrides]), progress=False)
+    train(resolve_run(load_config(config, [f"output_dir={os.path.join(out, name)}", *overrides])), progress=False)
 dist.barrier(); dist.destroy_process_group(); os._exit(0)
 '''
 
@@ -51,8 +52,9 @@ def main() -> None:
     args = parser.parse_args()
     engines = {name: ENGINES[name] for name in args.engines}
     from memfit.config import load_config
-    from memfit.memory.distributed_estimate import rank_estimate
+    from memfit.memory.analytic import analytic_estimate
     from memfit.train.loop import train
+    from memfit.train.resolve import resolve_run
 
     mib = 2**20
     with tempfile.TemporaryDirectory() as tmp:
@@ -70,7 +72,7 @@ def main() -> None:
         names = {name: name.replace(" ", "").replace("+", "_") for name in engines}
         (root / "engines.txt").write_text("".join(f"{names[n]} {' '.join(o)}\n" for n, o in engines.items()))
         (root / "worker.py").write_text(WORKER)
-        single = train(load_config(config, [f"output_dir={root / 'single'}"]), progress=False)
+        single = train(resolve_run(load_config(config, [f"output_dir={root / 'single'}"])), progress=False)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
@@ -81,7 +83,7 @@ def main() -> None:
                                 timeout=1200)
         if result.returncode:
             sys.exit(result.stderr[-3000:])
-        estimate = rank_estimate(load_config(config, ["output_dir=x"]), 1, "cpu").peak_allocated_bytes
+        estimate = analytic_estimate(load_config(config, ["output_dir=x"]), device="cpu").peak_allocated_bytes
         measured = single.report.measured_peak_bytes
         print("| run | measured peak per rank (MiB) | estimate per rank (MiB) | estimate / measured | max loss "
               "difference |")
@@ -91,7 +93,7 @@ def main() -> None:
             out = root / names[name]
             ranks = json.loads((out / "distributed_memory.json").read_text())["ranks"]
             peaks = [r["measured_peak_bytes"] for r in ranks]
-            est = rank_estimate(load_config(config, ["output_dir=x", *overrides]), 2, "cpu").peak_allocated_bytes
+            est = analytic_estimate(load_config(config, ["output_dir=x", *overrides]), device="cpu", gpus=2).peak_allocated_bytes
             losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
             diff = max(abs(a / b - 1) for a, b in zip(losses, single.losses))
             print(f"| {name} | {' / '.join(f'{p / mib:.2f}' for p in peaks)} | {est / mib:.2f} | "

@@ -38,6 +38,7 @@ from memfit.config import load_config
 from memfit.distributed.engine import Engine
 from memfit.models.loading import build_model
 from memfit.memory.trace import trace_estimate
+from memfit.train.resolve import resolve_run
 
 
 def current_rss_bytes() -> int:
@@ -88,7 +89,7 @@ def measure(args) -> dict:
             return _original(*a, **k)
         setattr(Engine, name, reading_first)
     baseline = current_rss_bytes()
-    report = loop.train(cfg, progress=False).report
+    report = loop.train(resolve_run(cfg), progress=False).report
     growth = at_end.get("peak_rss", peak_rss_bytes()) - baseline
     params = sum(p.numel() for p in build_model(cfg.model, on_meta=True).parameters())
     return {"params": params, "estimate": estimate.peak_allocated_bytes, "tracker": report.measured_peak_bytes,

@@ -26,7 +26,7 @@ def main() -> None:
     from memfit.config import load_config
     from memfit.units import format_bytes
     from memfit.memory.tracker import MemoryTracker
-    from memfit.strategies.adapters import apply_method
+    from memfit.build import apply_configured_method
     from memfit.strategies.optimizers import build_optimizer
     from memfit.strategies.precision import make_precision
     from memfit.step import training_step
@@ -62,7 +62,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
         total_params = sum(p.numel() for p in model.parameters())
-        model = apply_method(model, cfg, "cpu").train()
+        model = apply_configured_method(model, cfg, "cpu").train()
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = build_optimizer(cfg.optim.name, params, 1e-4)
         tracker = MemoryTracker()

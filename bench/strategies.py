@@ -27,6 +27,7 @@ from transformers import LlamaConfig
 
 from memfit.config import load_config
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 from memfit.units import format_bytes
 
 CONFIGS = {
@@ -64,7 +65,7 @@ def run_once(name: str, overrides: list[str], model_dir: Path, data: Path, out: 
                              f"output_dir={out}",
                              "overwrite=true", f"max_steps={args.steps}", f"batch.micro_batch={args.micro_batch}",
                              f"data.seq_len={args.seq_len}", "logging.every=1", "optim.warmup_steps=0", "device=cpu", *overrides])
-    result = train(cfg, progress=False)
+    result = train(resolve_run(cfg), progress=False)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return {"peak_bytes": result.report.measured_peak_bytes, "by_category": result.report.measured_by_category,
             "step_times": [r["step_time_s"] for r in rows if r["step"] > 1]}

@@ -72,6 +72,7 @@ def rate(tokens: list[int], seconds: list[float]) -> float:
 def run_memfit(model_dir: str, strategy: str, steps: int, track: bool) -> dict:
     from memfit.config import build_config
     from memfit.train.loop import train
+    from memfit.train.resolve import resolve_run
 
     checkpointing, lora = STRATEGIES[strategy]
     with tempfile.TemporaryDirectory() as out:
@@ -83,7 +84,7 @@ def run_memfit(model_dir: str, strategy: str, steps: int, track: bool) -> dict:
             "optim": {"name": "adamw", "lr": LR, "warmup_steps": 0}, "batch": {"micro_batch": MICRO_BATCH},
             "max_steps": steps, "logging": {"every": 1, "track_memory": track}, "checkpoints": {"every": 0},
             "seed": SEED, "device": "cpu"})
-        result = train(cfg, progress=False)
+        result = train(resolve_run(cfg), progress=False)
         lines = [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
     return {"tokens_per_s": rate([l["tokens"] for l in lines], [l["step_time_s"] for l in lines]),
             "tracker_peak_bytes": result.report.measured_peak_bytes if track else None,

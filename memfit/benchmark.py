@@ -19,6 +19,7 @@ from pathlib import Path
 from memfit.config import RunConfig, load_config
 from memfit.errors import MemfitError, require
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 from memfit.units import format_bytes
 
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ def run_variant(name: str, changes: dict, base: RunConfig, workdir: Path) -> Ben
     try:
         cfg = base.updated({**changes, "output_dir": str(out), "overwrite": True, "logging.every": 1,
                             "checkpoints.every": 0, "logging.track_memory": True}, f"bench variant '{name}'")
-        result = train(cfg, progress=False)
+        result = train(resolve_run(cfg), progress=False)
     except (MemfitError, ImportError, NotImplementedError, RuntimeError) as exc:
         row.error = str(exc).splitlines()[0][:200]
         log.warning("bench: %s could not run: %s", name, row.error)

@@ -18,12 +18,13 @@ import torch
 from torch import nn
 
 from memfit.config import RunConfig
+from memfit.config.step_rules import strategy_options
 from memfit.models.loading import build_model
 from memfit.strategies.adapters import apply_method
 from memfit.strategies.checkpointing import apply_checkpointing
 from memfit.strategies.optimizers import build_optimizer
 from memfit.strategies.precision import PrecisionPlan, make_precision
-from memfit.strategies.quantization import quantized_loading
+from memfit.strategies.quantization import compute_dtype, quantized_loading
 from memfit.strategies.table import STEP_STRATEGIES
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -58,15 +59,36 @@ def build_run(cfg: RunConfig, device: torch.device, on_meta: bool = False, wrap:
     quantize_on_load: quantize while loading weights (transformers' quantization config); the
     tracer, which loads nothing, quantizes the meta model instead."""
     precision = make_precision(cfg.precision, device)
-    load_kwargs = quantized_loading(cfg, device) if quantize_on_load else None
+    load_kwargs = configured_quantized_loading(cfg, device) if quantize_on_load else None
     model = build_model(cfg.model, attention or cfg.memory.attention, dtype=precision.weight_dtype, on_meta=on_meta,
                         load_kwargs=load_kwargs)
     model.config.use_cache = False  # no KV cache in training; a cache also turns off packed masks (data/packing.py)
-    model = apply_method(apply_checkpointing(model, cfg.memory.activation_checkpoint_every), cfg, place_on)
+    model = apply_configured_method(apply_checkpointing(model, cfg.memory.activation_checkpoint_every), cfg, place_on)
     for strategy in STEP_STRATEGIES:  # strategies that change the model (memfit/strategies/table.py)
         if strategy.model_hook is not None and getattr(cfg.memory, strategy.name):
-            model = strategy.model_hook(model, cfg)
+            model = strategy.model_hook(model, **strategy_options(cfg, strategy))
     model, optimizer = wrap(model, lambda params: build_optimizer(
         cfg.optim.name, params, cfg.optim.lr, cfg.optim.weight_decay, cfg.optim.backend, device))
     model.train()
     return Run(model, optimizer, precision, trainable(model))
+
+
+def apply_configured_method(model: nn.Module, cfg: RunConfig, device: torch.device | str | None = None) -> nn.Module:
+    """`apply_method` (memfit/strategies/adapters.py) with the run's method, lora, quant and precision settings."""
+    lora = cfg.lora
+    return apply_method(model, method=cfg.method, targets=lora.targets, rank=lora.rank, alpha=lora.alpha,
+                        dropout=lora.dropout, use_dora=lora.use_dora, use_rslora=lora.use_rslora,
+                        train_embeddings=lora.train_embeddings, train_lm_head=lora.train_lm_head,
+                        quant_scheme=cfg.quant.scheme, quant_backend=cfg.quant.backend,
+                        quant_dtype=quant_compute_dtype(cfg), precision=cfg.precision, device=device)
+
+
+def configured_quantized_loading(cfg: RunConfig, device: torch.device | None = None) -> dict:
+    """`quantized_loading` (memfit/strategies/quantization.py) for the run's method and quant settings."""
+    return quantized_loading(method=cfg.method, scheme=cfg.quant.scheme, backend=cfg.quant.backend,
+                             dtype=quant_compute_dtype(cfg), device=device)
+
+
+def quant_compute_dtype(cfg: RunConfig) -> torch.dtype:
+    """The dtype quantized base weights compute in: quant.compute_dtype, or the precision's when auto."""
+    return compute_dtype(cfg.quant.compute_dtype, cfg.precision)

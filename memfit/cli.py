@@ -47,10 +47,11 @@ def _library_progress_bars(enabled: bool) -> None:
 def cmd_train(args) -> int:
     from memfit.config import load_config
     from memfit.train.loop import train
+    from memfit.train.resolve import resolve_run
 
     _library_progress_bars(not args.no_progress)
     cfg = load_config(args.config, args.overrides)
-    result = train(cfg, progress=not args.no_progress)
+    result = train(resolve_run(cfg), progress=not args.no_progress)
     if os.environ.get("RANK", "0") == "0":  # under torchrun only rank 0 prints
         _print_summary(result)
     from memfit.distributed.launch import exit_process
@@ -154,13 +155,14 @@ def cmd_plan(args) -> int:
 def cmd_demo(args) -> int:
     from memfit.config import load_config
     from memfit.train.loop import train
+    from memfit.train.resolve import resolve_run
 
     _library_progress_bars(not args.no_progress)
     overrides = ["output_dir=runs/demo", "overwrite=true", *args.overrides]
     cfg = load_config(_shipped_config("demo.yaml"), overrides)
     print(f"memfit demo: fine-tuning {cfg.model.name} on {cfg.data.path} for {cfg.max_steps} steps "
           f"({cfg.precision}, optimizer {cfg.optim.name}, checkpointing {cfg.memory.checkpointing})")
-    result = train(cfg, progress=not args.no_progress)
+    result = train(resolve_run(cfg), progress=not args.no_progress)
     _print_summary(result)
     return 0
 

@@ -18,6 +18,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.build import Run
+from memfit.config.step_rules import strategy_options
 from memfit.data.examples import IGNORE_INDEX
 from memfit.strategies.loss import plain_loss
 from memfit.strategies.precision import PrecisionPlan, total_grad_norm
@@ -62,7 +63,7 @@ def step_strategies(cfg, device: torch.device, optimizer: torch.optim.Optimizer,
     hooks = {"loss_fn": plain_loss, "saved_activations": nullcontext, "update": None}
     for strategy in STEP_STRATEGIES:  # memfit/strategies/table.py
         if getattr(cfg.memory, strategy.name):
-            hooks.update(strategy.hooks(cfg, device, optimizer, params, traced))
+            hooks.update(strategy.hooks(device, optimizer, params, traced, **strategy_options(cfg, strategy)))
     return hooks
 
 

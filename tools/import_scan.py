@@ -2,7 +2,9 @@
 
     python tools/import_scan.py          # prints the findings; exit 1 if any
 
-Layers, lowest first. A module may import its own layer or any lower one, never a higher one.
+Layers, lowest first. A module may import its own layer or any lower one, never a higher one. An import
+under `if TYPE_CHECKING:` runs nothing, so it makes no cycle; it is still an upward import: a module that
+names a higher layer's types depends on what that layer holds (memfit.strategies reads no config).
 """
 from __future__ import annotations
 
@@ -40,8 +42,8 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports_of(path: Path, modules: set[str]) -> list[tuple[str, int, bool]]:
-    """(imported memfit module, line, is_local) for every memfit import in the file."""
+def imports_of(path: Path, modules: set[str]) -> list[tuple[str, int, bool, bool]]:
+    """(imported memfit module, line, is_local, for type checking only) for every memfit import in the file."""
     tree = ast.parse(path.read_text(), filename=str(path))
     here = module_name(path)
     package = here if path.name == "__init__.py" else here.rpartition(".")[0]
@@ -65,10 +67,10 @@ def imports_of(path: Path, modules: set[str]) -> list[tuple[str, int, bool]]:
             if isinstance(child, ast.ImportFrom) or isinstance(child, ast.Import):
                 guarded = _type_checking(child, tree)
                 for name in names:
-                    if name.startswith("memfit") and not guarded:
+                    if name.startswith("memfit"):
                         while name not in modules and "." in name:
                             name = name.rpartition(".")[0]
-                        found.append((name, child.lineno, local))
+                        found.append((name, child.lineno, local, guarded))
 
     visit(tree, False)
     return found
@@ -116,13 +118,15 @@ def scan() -> dict[str, list[str]]:
     graph: dict[str, set[str]] = {m: set() for m in modules}
     upward, local = [], []
     for mod, path in sorted(files.items()):
-        for target, line, is_local in imports_of(path, modules):
+        for target, line, is_local, type_checking in imports_of(path, modules):
             if target == mod or mod.startswith(target + "."):
                 continue  # a package's own __init__
-            graph[mod].add(target)
+            if not type_checking:
+                graph[mod].add(target)
             src, dst = layer_of(mod), layer_of(target)
             if src >= 0 and dst > src:
-                upward.append(f"{mod} -> {target} ({path.relative_to(ROOT)}:{line})")
+                where = f"{path.relative_to(ROOT)}:{line}" + (", under TYPE_CHECKING" if type_checking else "")
+                upward.append(f"{mod} -> {target} ({where})")
             if is_local and not mod.startswith("memfit.cli"):
                 local.append(f"{mod} -> {target} ({path.relative_to(ROOT)}:{line})")
     return {"cycles": [" <-> ".join(c) for c in cycles(graph)], "upward imports": upward,

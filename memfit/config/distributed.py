@@ -12,9 +12,10 @@ Two levels:
 from __future__ import annotations
 
 from memfit.errors import MemfitError
+from memfit.strategies.engines import sharding_entry
 from memfit.strategies.optimizers import optimizer_entry
+from memfit.strategies.precision import precision_entry
 
-FSDP2_STAGES = ("zero2", "zero3")
 # Module names the tensor-parallel plan shards; models whose blocks lack them are refused.
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "granite")
 
@@ -28,7 +29,8 @@ def config_problems(cfg) -> list[str]:
     problems = []
     engines = cfg.distributed
     tp, pp, sharding, offload = engines.tensor_parallel, engines.pipeline_parallel, engines.sharding, engines.offload
-    if offload != "none" and sharding not in FSDP2_STAGES:
+    fsdp2 = sharding_entry(sharding).fsdp2  # DTensor parameters, sharded at rest
+    if offload != "none" and not fsdp2:
         problems.append(f"distributed.offload: {offload} needs distributed.sharding: zero2 or zero3 (FSDP2's "
                         f"CPUOffloadPolicy); sharding is {sharding}")
     if tp > 1 and pp > 1:
@@ -42,13 +44,13 @@ def config_problems(cfg) -> list[str]:
     if (tp > 1 or pp > 1) and cfg.method != "full":
         problems.append(f"method: {cfg.method} with tensor/pipeline parallel is not supported: use method: full, "
                         "or distributed.sharding: ddp/zero* for adapters")
-    if cfg.quant.scheme != "none" and sharding in FSDP2_STAGES:
+    if cfg.quant.scheme != "none" and fsdp2:
         problems.append(f"quant: {cfg.quant.scheme} with FSDP2 (zero2/zero3) is not supported: quantized (4-/8-bit) "
                         "weights cannot be sharded here; use distributed.sharding: ddp")
-    if cfg.precision == "fp16-mixed" and (sharding in FSDP2_STAGES or tp > 1 or pp > 1):
-        problems.append("precision: fp16-mixed's loss scaler does not handle sharded (DTensor) gradients here: "
+    if precision_entry(cfg.precision).scaler and (fsdp2 or tp > 1 or pp > 1):
+        problems.append(f"precision: {cfg.precision}'s loss scaler does not handle sharded (DTensor) gradients here: "
                         "use bf16-mixed or bf16-pure")
-    if not optimizer_entry(cfg.optim.name).on_dtensor and (sharding in FSDP2_STAGES or tp > 1):
+    if not optimizer_entry(cfg.optim.name).on_dtensor and (fsdp2 or tp > 1):
         problems.append(f"optim.name: {cfg.optim.name} keeps quantized states that cannot follow sharded (DTensor) "
                         "parameters: use optim.name: adamw with zero2/zero3 or tensor_parallel")
     if pp > 1 and cfg.optim.max_grad_norm is not None:

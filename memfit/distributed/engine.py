@@ -43,11 +43,12 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def make_engine(cfg: RunConfig) -> "Engine":
-    """The engine for `cfg`; under torchrun it joins the process group first (every rank checks the
-    launch the same way before any collective, memfit/config/distributed.py)."""
-    ctx = launch.init_distributed(cfg, resolve_device(cfg.device), lambda: load_model_config(cfg.model)[0])
-    device = launch.local_device(resolve_device(cfg.device), ctx)
+def make_engine(cfg: RunConfig, device: torch.device) -> "Engine":
+    """The engine for `cfg` on `device` (as resolving decided it, memfit/train/resolve.py); under torchrun
+    it joins the process group first (every rank checks the launch the same way before any collective,
+    memfit/config/distributed.py)."""
+    ctx = launch.init_distributed(cfg, device, lambda: load_model_config(cfg.model)[0])
+    device = launch.local_device(device, ctx)
     kind = DeepSpeed if cfg.distributed.deepspeed else TorchDistributed if ctx.enabled else Engine
     return kind(cfg, ctx, device)
 

@@ -40,15 +40,15 @@ from memfit.distributed.launch import DistContext
 from memfit.distributed.modules import decoder_blocks, place
 from memfit.distributed.pipeline import build_pipeline
 from memfit.distributed.tensor_parallel import apply_tensor_parallel
-
-FSDP2 = ("zero2", "zero3")
+from memfit.strategies.engines import sharding_entry
 
 
 def shards_from_rank0(cfg, ctx: DistContext) -> bool:
     """Whether the engine hands each rank its part of rank 0's model (FSDP2 broadcast, tensor-parallel
     scatter, pipeline stage sends, DeepSpeed ZeRO-3's conversion) rather than a full replica."""
-    return ctx.enabled and (cfg.distributed.sharding in FSDP2 or cfg.distributed.tensor_parallel > 1 or cfg.distributed.pipeline_parallel > 1
-                            or loads_from_rank0(cfg, ctx))
+    distributed = cfg.distributed
+    return ctx.enabled and (sharding_entry(distributed.sharding).fsdp2 or distributed.tensor_parallel > 1
+                            or distributed.pipeline_parallel > 1 or loads_from_rank0(cfg, ctx))
 
 
 def builds_on_meta(cfg, ctx: DistContext) -> bool:
@@ -68,19 +68,20 @@ def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.opti
     if cfg.distributed.pipeline_parallel > 1:
         model = build_pipeline(model, cfg, ctx, device)
         return model, optimizer_factory(trainable(model))
-    if cfg.distributed.sharding in FSDP2:
+    engine = sharding_entry(cfg.distributed.sharding)
+    if engine.fsdp2:
         model = _fully_shard(model, cfg, ctx, device)
         return model, optimizer_factory(trainable(model))
-    return _ddp(model, optimizer_factory, cfg, device)
+    return _ddp(model, optimizer_factory, engine, device)
 
 
-def _ddp(model, optimizer_factory, cfg, device):
+def _ddp(model, optimizer_factory, engine, device):
     model = place(model, device)
     # Gradients as views into DDP's all-reduce buckets: no second copy of every gradient.
     wrapped = DDP(model, device_ids=[device.index] if device.type == "cuda" else None,
                   gradient_as_bucket_view=True)
     optimizer = optimizer_factory(trainable(model))
-    if cfg.distributed.sharding == "zero1":
+    if engine.shards("optimizer_states"):  # ZeRO-1
         optimizer = _zero_redundancy(optimizer, trainable(model))
     return wrapped, optimizer
 
@@ -116,7 +117,7 @@ def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
     offload = cfg.distributed.offload != "none"
     # pin_memory needs an accelerator; on a CPU-only machine the offload target is where the shards already are.
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
-    reshard = cfg.distributed.sharding == "zero3"
+    reshard = sharding_entry(cfg.distributed.sharding).reshard_after_forward
     for block in decoder_blocks(model):
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)
     fully_shard(model, mesh=mesh, reshard_after_forward=reshard, offload_policy=policy)

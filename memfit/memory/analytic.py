@@ -2,25 +2,25 @@
 candidate configurations.
 
 The traced engine (memory/trace.py) runs the real step on fake tensors; this engine reproduces the
-same numbers from formulas. memory/single_device.py holds one function per category on one device,
-memory/distributed_estimate.py what sharding, tensor and pipeline parallel change per rank, and
-memory/phases.py the peaks outside the step (loading, checkpoint save, merge); `analytic_estimate`
-takes the largest moment. Every term is documented in docs/planner.md.
+same numbers from formulas: memory/model_states.py and memory/activations.py count each category,
+memory/single_device.py the moments where a step on one device can peak, memory/distributed_estimate.py
+what sharding, tensor and pipeline parallel change per rank, and memory/phases.py the peaks outside the
+step (loading, checkpoint save, merge); `analytic_estimate` takes the largest moment. Every term is
+documented in docs/planner.md.
 """
 
 from __future__ import annotations
 
 from memfit.config import RunConfig
 from memfit.errors import MemfitError
-from memfit.memory.distributed_estimate import node_cpu_ram, per_rank_candidates
+from memfit.memory.activations import loss_buffer_bytes
+from memfit.memory.distributed_estimate import node_cpu_ram, per_rank_candidates, rank_states
 from memfit.memory.estimate import Estimate
 from memfit.memory.model_shape import ModelShape, model_shape
+from memfit.memory.model_states import optimizer_state_bytes, weights_bytes
 from memfit.memory.phases import phase_peaks
-from memfit.memory.single_device import (ALLOCATOR_SEGMENT_BYTES, _loss_buffer_bytes,
-                                         beyond_basics_terms, cpu_ram_bytes, eval_bytes, optimizer_state_bytes,
-                                         peak_candidates,
-                                         runtime_overheads, shard_model_states, strategy_host_bytes,
-                                         weights_bytes)
+from memfit.memory.single_device import (ALLOCATOR_SEGMENT_BYTES, beyond_basics_terms, cpu_ram_bytes, eval_bytes,
+                                         peak_candidates, runtime_overheads, strategy_host_bytes)
 from memfit.memory.tracker import CATEGORIES
 from memfit.models.loading import load_model_config
 from memfit.strategies.optimizers import optimizer_entry
@@ -36,8 +36,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
         cfg = cfg.model_copy(update={"device": device})
     shape = model_shape(model_config)
     moments = beyond_basics_terms(peak_candidates(shape, cfg), shape, cfg, device)
-    candidates = {k: shard_model_states(v, cfg, gpus, k) for k, v in moments.items()}
-    candidates = per_rank_candidates(candidates, shape, cfg, gpus, device)  # sharded/tp/pp: distributed_estimate.py
+    candidates = per_rank_candidates(moments, shape, cfg, gpus, device)  # sharded/tp/pp: distributed_estimate.py
     where, by_category = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     by_category = {c: int(by_category.get(c, 0)) for c in CATEGORIES}
     paged = 0
@@ -47,17 +46,14 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
     allocated = sum(by_category.values())
     # allocator reserve: the loss buffers (the largest blocks of the step, cached after the backward's
     # start and rarely reusable for other shapes) + one partly used 2 MiB segment per layer
-    transient = _loss_buffer_bytes(shape, cfg) + ALLOCATOR_SEGMENT_BYTES * shape.layers
+    transient = loss_buffer_bytes(shape, cfg) + ALLOCATOR_SEGMENT_BYTES * shape.layers
     overheads = runtime_overheads(cfg, device, transient)
     if paged:
         overheads["paged_optimizer_states"] = paged
     reserved = allocated + overheads.get("cublas_workspace", 0) + overheads.get("allocator_reserve", 0)
     ram = cpu_ram_bytes(shape, cfg, device)
     if cfg.distributed.offload != "none":  # what offload took off the GPU now lives in host RAM
-        unsharded = shard_model_states(peak_candidates(shape, cfg)["optimizer_step"], cfg.updated(
-            {"distributed.offload": "none"}), gpus, "optimizer_step")
-        ram["offloaded"] = sum(unsharded[c] for c in ("weights", "gradients", "optimizer_states")) - sum(
-            candidates["optimizer_step"][c] for c in ("weights", "gradients", "optimizer_states"))
+        ram["offloaded"] = rank_states(shape, cfg, gpus, device).host_bytes
     ram.update(strategy_host_bytes(shape, cfg, device))  # e.g. activation_offload: the saved tensors, pinned
     if device == "cpu":
         ram["training_state"] = allocated

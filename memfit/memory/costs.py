@@ -1,6 +1,5 @@
-"""What each strategy costs: bytes per parameter (read by the memory estimate) and time per step
-(read by the planner to rank the plans that fit). One table per strategy dimension, one function
-that turns a run into predicted seconds.
+"""What a plan costs in time: predicted seconds per optimizer step, one function per term, read by
+the planner to rank the plans that fit.
 
 The time model is a roofline sum, not a simulator: matmul FLOPs at a sustained fraction of the
 card's dense tensor-core rate, memory-bound passes (optimizer, dequantization) at a fraction of its
@@ -11,13 +10,16 @@ them; the absolute seconds are rough (docs/planner.md lists every constant and i
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
+from memfit.memory.activations import checkpointed_layers, tokens_of
+from memfit.memory.families import family_of
 from memfit.memory.gpus import GPU
-from memfit.memory.model_shape import ModelShape, trainable_params, trainable_value_bytes
+from memfit.memory.model_shape import trainable_params, trainable_value_bytes
+from memfit.strategies.engines import sharding_entry
 from memfit.strategies.optimizers import optimizer_entry
 from memfit.strategies.precision import precision_entry
+from memfit.strategies.quantization import quant_entry
 from memfit.strategies.table import STEP_STRATEGIES
 
 # --- efficiency assumptions (fractions of the spec sheet a training step sustains) ----------------------
@@ -32,30 +34,38 @@ KERNELS_PER_LAYER = 40
 
 
 @dataclass(frozen=True)
-class QuantCost:
-    """Quantized base weights: storage per value, and the bytes a dequantization pass moves."""
-    bytes_per_param: float     # 4-bit/8-bit value + block scales (bitsandbytes layout)
-    dequant_bytes: float       # read the packed weight + write the 16-bit copy, per value per pass
-    gives_up: str
+class _Step:
+    """The sizes every term reads: one rank's share of the run and the card's sustained rates."""
 
+    terms: object            # memory/single_device.py: StrategyTerms
+    gpus: int
+    matmul_rate: float       # FLOP/s
+    memory_rate: float       # B/s of device memory
+    host_rate: float         # B/s over the host link
+    link_rate: float         # B/s between GPUs
 
-# nf4/fp4: 4 bits + one fp32 absmax per 64 values; nf4-dq: that absmax quantized to 8 bits with one
-# fp32 scale per 256 blocks; int8 (LLM.int8): 1 byte + one fp32 scale per output row (negligible).
-QUANTS = {
-    "none": QuantCost(0.0, 0.0, ""),
-    "nf4": QuantCost(0.5 + 4 / 64, 0.5 + 4 / 64 + 2, "4-bit NF4 base weights"),
-    "fp4": QuantCost(0.5 + 4 / 64, 0.5 + 4 / 64 + 2, "4-bit FP4 base weights"),
-    "nf4-dq": QuantCost(0.5 + 1 / 64 + 4 / (64 * 256), 0.5 + 1 / 64 + 2, "4-bit NF4 base weights"),
-    "int8": QuantCost(1.0, 1.0 + 2, "8-bit base weights"),
-}
+    @property
+    def model_parallel(self) -> int:
+        distributed = self.terms.cfg.distributed
+        return distributed.tensor_parallel * distributed.pipeline_parallel
 
-# What a method gives up against full fine-tuning (for the plan's table).
-METHOD_GIVES_UP = {"full": "", "lora": "trains LoRA adapters only", "qlora": "trains LoRA adapters only"}
+    @property
+    def data_parallel(self) -> int:
+        return max(self.gpus // self.model_parallel, 1)
 
+    @property
+    def optimizer_shards(self) -> int:
+        """Ranks the optimizer states are split over (each steps its own shard)."""
+        sharded = sharding_entry(self.terms.cfg.distributed.sharding).shards("optimizer_states")
+        return self.data_parallel if sharded else 1
 
-def checkpointed_layers(shape: ModelShape, cfg) -> int:
-    every = cfg.memory.activation_checkpoint_every
-    return 0 if not every else math.ceil(shape.layers / every)
+    @property
+    def active_params(self) -> int:
+        return family_of(self.terms.shape).active_params(self.terms.shape)
+
+    @property
+    def trained_per_rank(self) -> float:
+        return trainable_params(self.terms.shape, self.terms.cfg) / self.optimizer_shards / self.model_parallel
 
 
 def step_time(terms, gpu: GPU, gpus: int = 1) -> dict[str, float]:
@@ -63,80 +73,122 @@ def step_time(terms, gpu: GPU, gpus: int = 1) -> dict[str, float]:
     run's shape and config with the sizes its step strategies' work reads (memory/single_device.py:
     StrategyTerms).
 
-    compute      forward 2*N FLOPs per token + attention 4*L*seq*q_dim; the backward twice the forward
-                 for full fine-tuning (input and weight gradients), once under LoRA (input gradients of the
-                 frozen base only); each checkpointed layer runs its forward again; a step strategy
-                 adds its own matmul FLOPs (the chunked loss: the lm_head matmul again in the backward)
+    compute      forward 2*N FLOPs per token (N: the family's active parameters) + attention
+                 4*L*seq*q_dim; the backward twice the forward for full fine-tuning (input and weight
+                 gradients), once under LoRA (input gradients of the frozen base only); each checkpointed
+                 layer runs its forward again; a step strategy adds its own matmul FLOPs (the chunked
+                 loss: the lm_head matmul again in the backward)
     dequantize   quantized base weights are dequantized once per pass (forward, backward, recompute)
     optimizer    reads and writes parameters, gradients and states once per step (memory-bound); with
                  CPU offload the step runs on the host instead
     host_link    a step strategy's host bytes (activation offload: the saved tensors out and back per
                  micro-batch); FSDP's CPU offload copies the parameters in for the forward and the
                  backward and the gradients out
-    collectives  data parallel all-reduces the gradients; zero3 gathers the parameters twice per
-                 micro-batch; tensor parallel all-reduces activations four times per layer
-    launches     a fixed cost per kernel: what makes larger micro-batches faster per token"""
-    shape, cfg = terms.shape, terms.cfg
-    tp, pp = cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel
-    model_parallel = tp * pp
-    tokens = cfg.batch.micro_batch * cfg.data.seq_len
-    micro_batches = cfg.batch.grad_accum
-    n = shape.total_params
-    ckpt = checkpointed_layers(shape, cfg) / shape.layers
-    forward = tokens * (2 * n + 4 * shape.layers * cfg.data.seq_len * shape.q_dim)
-    backward = forward * (2 if cfg.method == "full" else 1)
-    recompute = forward * ckpt
+    collectives  data parallel reduces the gradients (the engine's entry: all-reduce or reduce-scatter)
+                 and gathers the weights as its entry says; tensor parallel all-reduces activations four
+                 times per layer
+    launches     a fixed cost per kernel: what makes larger micro-batches faster per token
+    pipeline_bubble  GPipe: (S - 1) of (M + S - 1) slots idle"""
+    cfg = terms.cfg
     precision = precision_entry(cfg.precision)
     # fp32 matmuls run at the TF32 rate, 16-bit ones on the bf16/fp16 tensor cores
-    rate = (gpu.tf32_tflops if precision.compute_bytes == 4 else gpu.bf16_tflops) * 1e12 * MATMUL_EFFICIENCY
-    memory_rate = gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY
-    host_rate = gpu.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY
-    link_rate = gpu.interconnect_gbps * 1e9
-    work = {"flops": 0.0, "host_bytes": 0.0}  # what the step strategies add (memfit/strategies/table.py)
+    matmul = (gpu.tf32_tflops if precision.compute_bytes == 4 else gpu.bf16_tflops) * 1e12 * MATMUL_EFFICIENCY
+    step = _Step(terms, gpus, matmul, gpu.memory_gbps * 1e9 * MEMORY_EFFICIENCY,
+                 gpu.host_link_gbps * 1e9 * HOST_LINK_EFFICIENCY, gpu.interconnect_gbps * 1e9)
+    work = strategy_work(terms)
+    seconds = {"compute": compute_seconds(step, work["flops"])}
+    dequantize = dequantize_seconds(step)
+    if dequantize:
+        seconds["dequantize"] = dequantize
+    seconds["optimizer"] = optimizer_seconds(step)
+    host = host_link_seconds(step, work["host_bytes"])
+    if host:
+        seconds["host_link"] = host
+    collectives = collectives_seconds(step)
+    if collectives:
+        seconds["collectives"] = collectives
+    pp = cfg.distributed.pipeline_parallel
+    seconds["launches"] = KERNEL_LAUNCH_SECONDS * KERNELS_PER_LAYER * terms.shape.layers * cfg.batch.grad_accum / max(pp, 1)
+    if pp > 1:  # GPipe bubble: (S - 1) of (M + S - 1) slots idle
+        seconds["pipeline_bubble"] = sum(seconds.values()) * (pp - 1) / cfg.batch.grad_accum
+    return seconds
+
+
+def strategy_work(terms) -> dict[str, float]:
+    """The FLOPs and host bytes the run's step strategies add (each entry's `work`, memfit/strategies/table.py)."""
+    work = {"flops": 0.0, "host_bytes": 0.0}
     for strategy in STEP_STRATEGIES:
-        if strategy.work is not None and getattr(cfg.memory, strategy.name):
+        if strategy.work is not None and getattr(terms.cfg.memory, strategy.name):
             for kind, amount in strategy.work(terms).items():
                 work[kind] += amount
-    terms = {"compute": ((forward + backward + recompute) * micro_batches + work["flops"]) / rate / model_parallel}
+    return work
+
+
+def compute_seconds(step: _Step, strategy_flops: float) -> float:
+    shape, cfg = step.terms.shape, step.terms.cfg
+    tokens = tokens_of(cfg)
+    micro_batches = cfg.batch.grad_accum
+    forward = tokens * (2 * step.active_params + 4 * shape.layers * cfg.data.seq_len * shape.q_dim)
+    backward = forward * (2 if cfg.method == "full" else 1)
+    recompute = forward * (checkpointed_layers(shape, cfg) / shape.layers)
+    seconds = ((forward + backward + recompute) * micro_batches + strategy_flops) / step.matmul_rate / step.model_parallel
     if cfg.memory.attention == "eager":  # the [heads, seq, seq] scores are written and read back (fp32 + 16-bit)
-        terms["compute"] += cfg.batch.micro_batch * shape.heads * cfg.data.seq_len ** 2 * 6 * 3 * shape.layers \
-            * micro_batches / memory_rate / model_parallel
+        seconds += cfg.batch.micro_batch * shape.heads * cfg.data.seq_len ** 2 * 6 * 3 * shape.layers \
+            * micro_batches / step.memory_rate / step.model_parallel
+    return seconds
 
-    quant = QUANTS[cfg.quant.scheme]
-    if quant.dequant_bytes:
-        passes = 2 + ckpt
-        terms["dequantize"] = shape.block_linear_params * quant.dequant_bytes * passes * micro_batches / memory_rate
 
-    trainable = trainable_params(shape, cfg)
+def dequantize_seconds(step: _Step) -> float:
+    """Each quantized base weight is dequantized once per pass: forward, backward, and recompute."""
+    shape, cfg = step.terms.shape, step.terms.cfg
+    quant = quant_entry(cfg.quant.scheme)
+    if not quant.dequant_bytes:
+        return 0.0
+    passes = 2 + checkpointed_layers(shape, cfg) / shape.layers
+    return shape.block_linear_params * quant.dequant_bytes * passes * cfg.batch.grad_accum / step.memory_rate
+
+
+def _offloaded(cfg) -> bool:
+    return cfg.distributed.offload != "none"
+
+
+def optimizer_seconds(step: _Step) -> float:
+    """Read + write the parameters, read the gradients, read + write the states, for this rank's share."""
+    cfg = step.terms.cfg
     master = trainable_value_bytes(cfg)
     states = optimizer_entry(cfg.optim.name).state_bytes_per_value(master)
-    data_parallel = max(gpus // model_parallel, 1)
-    sharded = data_parallel if cfg.distributed.sharding in ("zero1", "zero2", "zero3") else 1
-    per_rank = trainable / sharded / model_parallel
-    step_bytes = per_rank * (2 * master + master + 2 * states)  # read + write params, read grads, states
-    offloaded = cfg.distributed.offload != "none"
-    terms["optimizer"] = step_bytes / (CPU_OPTIMIZER_BYTES_PER_S if offloaded else memory_rate)
+    step_bytes = step.trained_per_rank * (2 * master + master + 2 * states)
+    return step_bytes / (CPU_OPTIMIZER_BYTES_PER_S if _offloaded(cfg) else step.memory_rate)
 
-    host = work["host_bytes"]
-    if offloaded:  # FSDP2 CPUOffloadPolicy: parameters in (forward + backward), gradients out
+
+def host_link_seconds(step: _Step, strategy_bytes: float) -> float:
+    """A step strategy's host bytes, and FSDP2's CPU offload: parameters in (forward + backward) in 16
+    bits, gradients out."""
+    cfg = step.terms.cfg
+    host = strategy_bytes
+    if _offloaded(cfg):
         compute_bytes = 2
-        host += (2 * compute_bytes * n / sharded / model_parallel + master * per_rank) * micro_batches
-    if host:
-        terms["host_link"] = host / host_rate
+        host += (2 * compute_bytes * step.active_params / step.optimizer_shards / step.model_parallel
+                 + trainable_value_bytes(cfg) * step.trained_per_rank) * cfg.batch.grad_accum
+    return host / step.host_rate if host else 0.0
 
+
+def collectives_seconds(step: _Step) -> float:
+    """Ring collectives: the data-parallel gradient reduction and weight gathers (the engine's entry),
+    tensor parallel's activation all-reduces."""
+    shape, cfg = step.terms.shape, step.terms.cfg
+    micro_batches = cfg.batch.grad_accum
+    dp, tp = step.data_parallel, cfg.distributed.tensor_parallel
     comm = 0.0
-    if data_parallel > 1:
-        ring = 2 * (data_parallel - 1) / data_parallel
-        grad_bytes = trainable * precision.compute_bytes / model_parallel  # counted at the compute dtype's size
-        comm += ring * grad_bytes / 2 if cfg.distributed.sharding in ("zero2", "zero3") else ring * grad_bytes
-        if cfg.distributed.sharding == "zero3":  # all-gather the parameters for the forward and the backward
-            comm += 2 * (data_parallel - 1) / data_parallel * n * 2 * micro_batches
+    if dp > 1:
+        engine = sharding_entry(cfg.distributed.sharding)
+        ring = 2 * (dp - 1) / dp
+        # counted at the compute dtype's size
+        grad_bytes = trainable_params(shape, cfg) * precision_entry(cfg.precision).compute_bytes / step.model_parallel
+        comm += ring * grad_bytes * engine.gradient_traffic()
+        # all-gather the parameters (16 bits) for the forward and the backward
+        comm += engine.weight_gathers() * (dp - 1) / dp * step.active_params * 2 * micro_batches
     if tp > 1:
+        tokens = tokens_of(cfg)
         comm += 4 * shape.layers * 2 * (tp - 1) / tp * tokens * shape.hidden * 2 * micro_batches
-    if comm:
-        terms["collectives"] = comm / link_rate
-    terms["launches"] = KERNEL_LAUNCH_SECONDS * KERNELS_PER_LAYER * shape.layers * micro_batches / max(pp, 1)
-    if pp > 1:  # GPipe bubble: (S - 1) of (M + S - 1) slots idle
-        busy = sum(terms.values())
-        terms["pipeline_bubble"] = busy * (pp - 1) / micro_batches
-    return terms
+    return comm / step.link_rate if comm else 0.0

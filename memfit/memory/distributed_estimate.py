@@ -1,8 +1,10 @@
 """Per-rank memory of a distributed run: model states and activations for ddp, zero1/2/3,
 CPU offload, tensor parallel (K) and pipeline parallel (S), as memfit/distributed runs them.
 
-Closed form, in the same categories as the single-device terms (memory/single_device.py),
-whose per-token activation and loss terms it reuses. N = data-parallel ranks.
+Closed form, in the same categories as the single-device terms, whose model states
+(memory/model_states.py) and per-token activation and loss terms (memory/activations.py) it reuses;
+what each data-parallel engine shards and keeps gathered is its entry's (memfit/strategies/engines.py).
+N = data-parallel ranks.
 
 Model states per rank (W weights, G gradients, O optimizer states of one process):
   ddp    W + G + O; DDP's gradient buckets (gradients are views into them) stay allocated
@@ -32,11 +34,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from memfit.distributed.pipeline import stage_blocks
-from memfit.memory import single_device as single
-from memfit.memory.estimate import Estimate
-from memfit.memory.model_shape import adapted_linears, model_shape, trainable_value_bytes
-from memfit.memory.tracker import CATEGORIES
-from memfit.models.loading import load_model_config
+from memfit.memory.activations import (attention_scores_bytes, activation_bytes, layer_bytes, layer_bytes_per_token,
+                                       layer_gradient_buffers, loss_bytes, tokens_of)
+from memfit.memory.model_shape import adapted_linears, trainable_value_bytes
+from memfit.memory.model_states import compute_size, gradient_bytes, optimizer_state_bytes, weight_size, weights_bytes
+from memfit.strategies.engines import sharding_entry
 from memfit.strategies.optimizers import optimizer_entry
 
 CPU_OPTIMIZER_SCRATCH_TENSORS = 4  # torch's single-tensor AdamW: ~4 temporaries of the tensor updated
@@ -69,8 +71,8 @@ def data_parallel_ranks(cfg, gpus: int) -> int:
 
 def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> RankStates:
     """Model-state bytes on one rank (stage: which pipeline stage, 0 = first)."""
-    weights, grads, states = (single.weights_bytes(shape, cfg), single.gradient_bytes(shape, cfg),
-                              single.optimizer_state_bytes(shape, cfg))
+    weights, grads, states = (weights_bytes(shape, cfg), gradient_bytes(shape, cfg),
+                              optimizer_state_bytes(shape, cfg))
     size = weights / max(shape.total_params, 1)  # bytes per weight
     block, root, block_linear = _counts(shape)
     n = data_parallel_ranks(cfg, gpus)
@@ -88,14 +90,13 @@ def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> 
         kept = params / shape.total_params
         return RankStates(int(weights * kept), int(grads * kept), int(states * kept),
                           notes=[f"pipeline stage {stage} of {s}: {blocks} blocks"])
-    sharding = cfg.distributed.sharding
-    if sharding in ("none", "ddp"):
-        return RankStates(weights, grads, states, persistent_gradients=grads if sharding == "ddp" else 0)
-    if sharding == "zero1":  # DDP's gradient buckets stay allocated
-        return RankStates(*zero_split(weights, grads, states, 1, n), persistent_gradients=grads)
-    # FSDP2 shards everything at rest (zero2 as well); zero2 differs in what stays gathered
-    out = RankStates(*zero_split(weights, grads, states, 3, n))
-    gathered = weights if sharding == "zero2" else int((root + 2 * block) * size)
+    engine = sharding_entry(cfg.distributed.sharding)
+    if not engine.fsdp2:  # one process, DDP, ZeRO-1: DDP's gradient buckets stay allocated
+        return RankStates(*engine.split(weights, grads, states, n),
+                          persistent_gradients=grads if engine.gradient_buckets else 0)
+    # FSDP2 shards every state at rest (zero2 as well); the stages differ in what stays gathered
+    out = RankStates(*engine.split(weights, grads, states, n, at_rest=True))
+    gathered = int((root + 2 * block) * size) if engine.reshard_after_forward else weights
     out.gathered_weights, out.gather_buffer = gathered, int(block * size)
     if cfg.distributed.offload in ("params", "all") and device == "cuda":
         out.host_bytes = out.weights + out.gradients + out.optimizer_states
@@ -106,55 +107,55 @@ def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> 
 
 def rank_activations(shape, cfg, stage: int = 0) -> int:
     """Activation bytes at the backward's start on one rank."""
-    acts = single.activation_bytes(shape, cfg)
+    acts = activation_bytes(shape, cfg)
     if cfg.distributed.tensor_parallel > 1:
         k = cfg.distributed.tensor_parallel
-        layer = single._layer_bytes(shape, cfg)
-        per_token = single._layer_activation_bytes_per_token(shape, cfg)
+        layer = layer_bytes(shape, cfg)
+        per_token = layer_bytes_per_token(shape, cfg)
         # split tensors per token: q, k, v, attention output (head width), MLP gate/up/act/product (MLP width)
-        c = single._compute_size(cfg)
+        c = compute_size(cfg)
         split = min((2 * shape.q_dim + 2 * shape.kv_dim + 4 * shape.intermediate) * c, per_token)
-        tokens = cfg.batch.micro_batch * cfg.data.seq_len
-        saved = shape.layers * (split * tokens + single._attention_scores_bytes(shape, cfg)) * (1 - 1 / k)
+        tokens = tokens_of(cfg)
+        saved = shape.layers * (split * tokens + attention_scores_bytes(shape, cfg)) * (1 - 1 / k)
         return int(acts - min(saved, shape.layers * layer))
     if cfg.distributed.pipeline_parallel > 1:
         s = cfg.distributed.pipeline_parallel
         blocks = len(stage_blocks(shape.layers, s, stage))
-        layer = single._layer_bytes(shape, cfg)
-        hidden_in = cfg.batch.micro_batch * cfg.data.seq_len * shape.hidden * single._weight_size(cfg)
+        layer = layer_bytes(shape, cfg)
+        hidden_in = tokens_of(cfg) * shape.hidden * weight_size(cfg)
         out = blocks * layer + hidden_in  # + the stage's received (or embedded) input
         if stage == s - 1:  # logits and the fp32 log-softmax of every pipeline micro-batch
-            out += 2 * single._loss_bytes(shape, cfg)
+            out += 2 * loss_bytes(shape, cfg)
         return int(out)
     return acts
 
 
-def _largest_tensor_bytes(shape, cfg, states: RankStates) -> int:
+def _largest_tensor_bytes(shape, cfg, gpus: int) -> int:
     size = trainable_value_bytes(cfg)
     if cfg.method != "full":
         return max((cfg.lora.rank * max(i, o) for _, i, o in adapted_linears(shape, cfg)), default=0) * 4
-    largest = max([shape.embedding_params, shape.lm_head_params] + [i * o for _, i, o in shape.linear])
+    largest = shape.largest_tensor_params
     if cfg.distributed.tensor_parallel > 1:
         largest = max(shape.embedding_params, shape.lm_head_params,
-                      max(i * o for _, i, o in shape.linear) // cfg.distributed.tensor_parallel)
-    if cfg.distributed.sharding in ("zero2", "zero3"):
-        largest = -(-largest // data_parallel_ranks(cfg, 2))
+                      shape.largest_linear_params // cfg.distributed.tensor_parallel)
+    if sharding_entry(cfg.distributed.sharding).fsdp2:  # each rank steps its shard of every tensor
+        largest = -(-largest // data_parallel_ranks(cfg, gpus))
     return largest * size
 
 
-def optimizer_scratch(shape, cfg, states: RankStates, device: str) -> int:
+def optimizer_scratch(shape, cfg, states: RankStates, device: str, gpus: int) -> int:
     if not optimizer_entry(cfg.optim.name).foreach_scratch:  # 8-bit and Lion steps update block by block
         return 0
     if device == "cuda":  # foreach kernels: one scratch copy of the rank's trainable parameters
         return states.gradients
-    return CPU_OPTIMIZER_SCRATCH_TENSORS * _largest_tensor_bytes(shape, cfg, states)
+    return CPU_OPTIMIZER_SCRATCH_TENSORS * _largest_tensor_bytes(shape, cfg, gpus)
 
 
 def rank_moments(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> dict[str, dict[str, int]]:
     """Bytes per category on one rank at the two moments that can peak."""
     st = rank_states(shape, cfg, gpus, device, stage)
     acts = rank_activations(shape, cfg, stage)
-    loss_buffers = 0 if cfg.distributed.pipeline_parallel > 1 else 2 * single._loss_bytes(shape, cfg)
+    loss_buffers = 0 if cfg.distributed.pipeline_parallel > 1 else 2 * loss_bytes(shape, cfg)
     base = dict(weights=st.weights, optimizer_states=st.optimizer_states)
     moments = {}
     if cfg.distributed.pipeline_parallel > 1:
@@ -165,34 +166,13 @@ def rank_moments(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) ->
         last = stage == cfg.distributed.pipeline_parallel - 1
         moments["pipeline_backward"] = dict(
             base, gradients=st.gradients, activations=acts * (n - 1) // n,
-            temporaries=single._layer_gradient_buffers(shape, one) + (2 * single._loss_bytes(shape, one) if last else 0))
+            temporaries=layer_gradient_buffers(shape, one) + (2 * loss_bytes(shape, one) if last else 0))
     return moments | {
         "backward_start": dict(base, gradients=st.persistent_gradients, activations=acts + st.gathered_weights,
                                temporaries=loss_buffers + st.gather_buffer),
         "optimizer_step": dict(base, gradients=max(st.gradients, st.persistent_gradients), activations=0,
-                               temporaries=optimizer_scratch(shape, cfg, st, device)),
+                               temporaries=optimizer_scratch(shape, cfg, st, device, gpus)),
     }
-
-
-def rank_estimate(cfg, gpus: int, device: str = "cuda", model_config=None) -> Estimate:
-    """The largest per-rank peak (over pipeline stages) as an Estimate, same fields as one GPU's."""
-    if model_config is None:
-        model_config, _ = load_model_config(cfg.model)
-    shape = model_shape(model_config)
-    stages = range(cfg.distributed.pipeline_parallel) if cfg.distributed.pipeline_parallel > 1 else [0]
-    best = None
-    for stage in stages:
-        for moment, cats in rank_moments(shape, cfg, gpus, device, stage).items():
-            total = sum(cats.values())
-            if best is None or total > best[0]:
-                best = (total, moment, stage, cats)
-    total, moment, stage, cats = best
-    states = rank_states(shape, cfg, gpus, device, stage)
-    by_category = {c: int(cats.get(c, 0)) for c in CATEGORIES}
-    notes = [f"per rank ({gpus} ranks): peak at {moment.replace('_', ' ')}"
-             + (f", pipeline stage {stage}" if cfg.distributed.pipeline_parallel > 1 else ""), *states.notes]
-    return Estimate(peak_allocated_bytes=int(total), peak_reserved_bytes=int(total), by_category=by_category,
-                    cpu_ram_bytes=states.host_bytes, engine="analytic", notes=notes)
 
 
 def per_rank_candidates(candidates: dict, shape, cfg, gpus: int, device: str = "cuda") -> dict:
@@ -205,21 +185,14 @@ def per_rank_candidates(candidates: dict, shape, cfg, gpus: int, device: str = "
 
 # --- DeepSpeed's published ZeRO formulas, for docs/distributed.md ---------------------------------
 
-def zero_split(weights: int, grads: int, states: int, stage: int, ranks: int) -> tuple[int, int, int]:
-    """memfit's ZeRO rule: stage 1 shards optimizer states, 2 also gradients, 3 also weights."""
-    def shard(nbytes: int, from_stage: int) -> int:
-        return -(-nbytes // ranks) if stage >= from_stage else nbytes
-
-    return shard(weights, 3), shard(grads, 2), shard(states, 1)
-
-
 def zero_model_states_like_deepspeed(total_params: int, largest_layer_params: int, gpus: int, stage: int) -> int:
-    """Per-GPU model-state bytes by memfit's ZeRO rule (`zero_split`) applied to DeepSpeed's byte
+    """Per-GPU model-state bytes by memfit's ZeRO rule (`ShardingEntry.split`) applied to DeepSpeed's byte
     layout for mixed-precision Adam: fp16 weights 2, fp16 gradients 2, and what memfit files under
     optimizer states: fp32 gradients 4 + fp32 master weights 4 + Adam moments 8 = 16 bytes/param.
     Stage 3 adds the largest layer gathered in fp32 (4 bytes/param), as DeepSpeed counts it.
     Compare with deepspeed.runtime.zero.stage_1_and_2 / stage3 estimate_zero*_model_states_mem_needs."""
-    weights, grads, states = zero_split(2 * total_params, 2 * total_params, 16 * total_params, stage, gpus)
+    weights, grads, states = sharding_entry(f"zero{stage}").split(2 * total_params, 2 * total_params, 16 * total_params,
+                                                                  gpus)
     gathered = 4 * largest_layer_params if stage == 3 else 0
     return weights + grads + states + gathered
 
@@ -234,5 +207,5 @@ def node_cpu_ram(ram: dict[str, int], shape, cfg, gpus: int, device: str = "cuda
         return ram
     out = {key: value * gpus for key, value in ram.items() if key != "model_load"}
     if "model_load" in ram:
-        out["model_load"] = ram["model_load"] * (1 if cfg.distributed.sharding in ("zero2", "zero3") else gpus)
+        out["model_load"] = ram["model_load"] * (1 if sharding_entry(cfg.distributed.sharding).fsdp2 else gpus)
     return out

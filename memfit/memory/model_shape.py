@@ -3,15 +3,27 @@
 `model_shape(config)` counts parameters by kind once from a `meta` build (no bytes) and caches
 the answer, because the planner asks hundreds of times per config; `trainable_params` and
 `lora_params` say how many of them a method (full, LoRA, QLoRA) trains.
+
+Everything is read off the built model, not off names: the decoder blocks are the ModuleList with one
+entry per layer; in the first block, the attention is the child whose class says so and the MLP the
+other child holding weights; a linear reading the hidden size is an input of its part and the one
+writing it back the output (of several, the last built); an MLP with three weight matrices per
+width (gate, up, down) is gated, with two (in, out) plain; the norms are the block's children whose
+class is a norm. The gated/plain split picks the model family (memory/families/).
 """
 
 from __future__ import annotations
 
+import json
 import weakref
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
 from memfit.config import RunConfig
+from memfit.memory.families import gated_dense, plain_dense
 from memfit.strategies.adapters import targets_module
 from memfit.strategies.precision import precision_entry
 
@@ -20,7 +32,6 @@ from memfit.strategies.precision import precision_entry
 class ModelShape:
     """What the formulas need to know about an architecture (counted once from a meta build)."""
 
-    family: str                 # "llama" (gated MLP, RMSNorm) or "gpt" (plain MLP, LayerNorm)
     layers: int
     hidden: int
     q_dim: int                  # attention heads x head_dim
@@ -35,21 +46,105 @@ class ModelShape:
     embedding_params: int       # input embeddings (+ positions)
     lm_head_params: int         # 0 when tied to the embeddings
     linear: tuple = field(default=())  # (module name, in_features, out_features) of every block linear
+    gated_mlp: bool = True      # gate, up and down matrices (else one in and one out matrix)
+    block_prefix: str = ""      # the first block's module name ("model.layers.0")
+    roles: tuple = field(default=())  # (path in a block, role, in_features, out_features) of each block linear
+
+    @property
+    def family(self) -> str:
+        """The NAME of the memory/families module that describes this model's blocks."""
+        return (gated_dense if self.gated_mlp else plain_dense).NAME
 
     @property
     def block_linear_params(self) -> int:
         return sum(i * o for _, i, o in self.linear)
 
+    @property
+    def largest_linear_params(self) -> int:
+        """The biggest block weight matrix: the one a quantized base dequantizes at once."""
+        return max(i * o for _, i, o in self.linear)
+
+    @property
+    def largest_tensor_params(self) -> int:
+        """The biggest single weight: a block matrix, the embeddings or the lm_head."""
+        return max(self.largest_linear_params, self.embedding_params, self.lm_head_params)
+
 
 _SHAPE_BY_ID: dict[int, tuple] = {}  # id(config) -> (weak reference, shape); ids are checked on use
 
 
+# what a block linear does: reads the attention's or the MLP's input, or writes its output
+ATTENTION_INPUT, ATTENTION_OUTPUT = "attention_input", "attention_output"
+MLP_INPUT, MLP_OUTPUT = "mlp_input", "mlp_output"
+
+
+def _linears(module: torch.nn.Module, skip=None) -> list[tuple[str, int, int]]:
+    """(name, in_features, out_features) of every linear under `module`, in build order."""
+    found = []
+    for name, child in module.named_modules():
+        if child is skip:
+            continue
+        if isinstance(child, torch.nn.Linear):
+            found.append((name, child.in_features, child.out_features))
+        elif type(child).__name__ == "Conv1D":  # GPT-2's transposed linear
+            found.append((name, child.weight.shape[0], child.weight.shape[1]))
+    return found
+
+
+def _first_block(model: torch.nn.Module, layers: int) -> tuple[str, torch.nn.Module | None]:
+    """The first decoder block: entry 0 of the ModuleList that holds one module per layer."""
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.ModuleList) and len(module) == layers:
+            return f"{name}.0", module[0]
+    return "", None
+
+
+def _is_attention(name: str, module: torch.nn.Module) -> bool:
+    kind = type(module).__name__.lower()
+    return "attention" in kind or "attn" in kind or "attn" in name or "attention" in name
+
+
+def _roles(block: torch.nn.Module, hidden: int) -> tuple[tuple[str, str, int, int], ...]:
+    """Each linear of a block with its role: what reads the hidden size is an input of its part (the
+    attention or the MLP), what writes it back is the part's output (when several could, the last built)."""
+    roles = []
+    for part_name, part in block.named_children():
+        linears = _linears(part)
+        if not linears:
+            continue
+        attention = _is_attention(part_name, part)
+        writers = [name for name, _, out in linears if out == hidden]
+        output = writers[-1] if writers else None
+        for name, i, o in linears:
+            if name == output:
+                role = ATTENTION_OUTPUT if attention else MLP_OUTPUT
+            elif i == hidden:
+                role = ATTENTION_INPUT if attention else MLP_INPUT
+            else:
+                continue
+            roles.append((f"{part_name}.{name}", role, i, o))
+    return tuple(roles)
+
+
+def _gated_mlp(block: torch.nn.Module, hidden: int, intermediate: int, experts: int) -> bool:
+    """Whether the block's MLP holds three weight matrices per unit of width (gate, up, down) rather than
+    two (in, out): its weights divided by hidden x width x experts, rounded (biases and a router are small)."""
+    for part_name, part in block.named_children():
+        if _is_attention(part_name, part) or "norm" in type(part).__name__.lower():
+            continue
+        weights = sum(p.numel() for p in part.parameters())
+        if weights >= hidden * intermediate:
+            return round(weights / (hidden * intermediate * experts)) == 3
+    return True
+
+
+def _norms(block: torch.nn.Module) -> int:
+    """The block's own norms (a norm inside the attention, such as Qwen3's q/k norm, is the attention's)."""
+    return sum(1 for _, child in block.named_children() if "norm" in type(child).__name__.lower())
+
+
 @lru_cache(maxsize=64)
 def _shape_cached(config_json: str) -> ModelShape:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-    import json
-
     raw = json.loads(config_json)
     config = AutoConfig.for_model(**raw)
     with torch.device("meta"):
@@ -59,14 +154,7 @@ def _shape_cached(config_json: str) -> ModelShape:
     tied = head is not None and head.weight is embed.weight
     embedding_params = embed.weight.numel() + sum(
         m.weight.numel() for n, m in model.named_modules() if isinstance(m, torch.nn.Embedding) and m is not embed)
-    linear = []
-    for name, module in model.named_modules():
-        if module is head:
-            continue
-        if isinstance(module, torch.nn.Linear):
-            linear.append((name, module.in_features, module.out_features))
-        elif type(module).__name__ == "Conv1D":  # GPT-2's transposed linear
-            linear.append((name, module.weight.shape[0], module.weight.shape[1]))
+    linear = _linears(model, skip=head)
     total = sum(p.numel() for p in model.parameters())
     text = getattr(config, "get_text_config", lambda: config)()
     hidden = text.hidden_size
@@ -75,26 +163,24 @@ def _shape_cached(config_json: str) -> ModelShape:
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
     if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
         kv_heads = 1  # falcon-7b
-    gated = text.model_type not in ("gpt2", "phi", "falcon", "gpt_neox", "gpt_bigcode", "opt")
     intermediate = getattr(text, "intermediate_size", None) or getattr(text, "n_inner", None) or 4 * hidden
     if text.model_type == "falcon":
         intermediate = getattr(text, "ffn_hidden_size", None) or 4 * hidden
     layers = text.num_hidden_layers
-    norms = 4 if text.model_type in ("gemma2", "gemma3_text") else 2
-    if text.model_type in ("phi", "falcon") and not getattr(text, "new_decoder_architecture", False):
-        norms = 1  # parallel attention + MLP share one input norm
+    experts = getattr(text, "num_local_experts", None) or getattr(text, "num_experts", None) or 1
+    prefix, block = _first_block(model, layers)
+    gated = block is None or _gated_mlp(block, hidden, intermediate, experts)
     return ModelShape(
-        family="llama" if gated else "gpt", layers=layers, hidden=hidden, q_dim=heads * head_dim,
+        layers=layers, hidden=hidden, q_dim=heads * head_dim,
         kv_dim=kv_heads * head_dim, heads=heads, head_dim=head_dim, intermediate=intermediate,
         vocab=text.vocab_size, experts_per_token=getattr(text, "num_experts_per_tok", None) or 1,
-        norms_per_layer=norms, total_params=total, embedding_params=embedding_params,
-        lm_head_params=0 if (tied or head is None) else head.weight.numel(), linear=tuple(linear))
+        norms_per_layer=_norms(block) if block is not None else 2, total_params=total,
+        embedding_params=embedding_params, lm_head_params=0 if (tied or head is None) else head.weight.numel(),
+        linear=tuple(linear), gated_mlp=gated, block_prefix=prefix, roles=_roles(block, hidden) if block is not None else ())
 
 
 def model_shape(model_config) -> ModelShape:
     """The architecture numbers of a transformers config (cached: a meta build takes ~0.05-1 s)."""
-    import json
-
     entry = _SHAPE_BY_ID.get(id(model_config))  # the planner asks hundreds of times per config object
     if entry is not None and entry[0]() is model_config:
         return entry[1]
@@ -117,8 +203,7 @@ def adapted_linears(shape: ModelShape, cfg: RunConfig) -> tuple[tuple[str, int, 
     """The block linears that get LoRA adapters (peft matches on the module name's suffix)."""
     if cfg.method == "full":
         return ()
-    targets = cfg.lora.targets
-    return _adapted(shape, targets if isinstance(targets, str) else tuple(targets))
+    return _adapted(shape, _targets(cfg))
 
 
 @lru_cache(maxsize=256)  # the planner's search asks this for every candidate of the same model
@@ -130,6 +215,27 @@ def _adapted(shape: ModelShape, targets) -> tuple[tuple[str, int, int], ...]:
 def linear_leaf_names(shape: ModelShape) -> frozenset[str]:
     """The distinct last name parts of the block linears (q_proj, gate_proj, ...)."""
     return frozenset(name.rsplit(".", 1)[-1] for name, _, _ in shape.linear)
+
+
+def block_linears(shape: ModelShape, cfg: RunConfig, role: str) -> list[tuple[str, int, int]]:
+    """(path in a block, in_features, out_features) of one block's linears with this role that train:
+    all under full fine-tuning, the adapted ones under LoRA."""
+    adapted = _adapted_in_block(shape, None if cfg.method == "full" else _targets(cfg))
+    return [(path, i, o) for path, r, i, o in shape.roles if r == role and (adapted is None or path in adapted)]
+
+
+def _targets(cfg: RunConfig):
+    targets = cfg.lora.targets
+    return targets if isinstance(targets, str) else tuple(targets)
+
+
+@lru_cache(maxsize=256)
+def _adapted_in_block(shape: ModelShape, targets) -> frozenset[str] | None:
+    """Paths (in a block) of the first block's adapted linears; None when every linear trains."""
+    if targets is None:
+        return None
+    start = shape.block_prefix + "."
+    return frozenset(name[len(start):] for name, _, _ in _adapted(shape, targets) if name.startswith(start))
 
 
 def lora_params(shape: ModelShape, cfg: RunConfig) -> int:

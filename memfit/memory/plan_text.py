@@ -5,9 +5,9 @@ GiB (2^30 bytes), said where it is printed."""
 from __future__ import annotations
 
 from memfit.config import RunConfig
+from memfit.memory.candidates import config_summary
 from memfit.memory.model_shape import model_shape, trainable_params, trainable_value_bytes
 from memfit.memory.planner import Plan
-from memfit.memory.search import config_summary
 from memfit.models.loading import load_model_config
 from memfit.models.validate import POSITIONS
 from memfit.strategies.table import STEP_STRATEGIES

@@ -16,9 +16,11 @@ from pathlib import Path
 from memfit.config import RunConfig
 from memfit.errors import MemfitError
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
+from memfit.memory.candidates import Candidate
 from memfit.memory.estimate import Estimate
 from memfit.memory.gpus import DEFAULT_GPU, GPU, GPUS, find_gpu
-from memfit.memory.search import SEARCHED, Candidate, SearchResult, search
+from memfit.memory.search import SearchResult, search
+from memfit.memory.search_space import SEARCHED
 from memfit.memory.trace import trace_estimate
 from memfit.models.loading import load_model_config, missing_weights
 from memfit.models.validate import check_model, model_where
@@ -88,7 +90,9 @@ def plan(model_name: str, cfg: RunConfig, budget_bytes: int | None = None, gpus:
         cfg = cfg.updated({"model.name": model_name, "model.init": "pretrained"})
     model_config, _ = load_model_config(cfg.model)
     check_model(cfg, model_config, model_where(cfg.model), gpus)
-    check_lora_targets_on_meta(model_config, cfg)  # a name the analytic count would drop silently
+    # a name the analytic count would drop silently
+    check_lora_targets_on_meta(model_config, method=cfg.method, targets=cfg.lora.targets,
+                               trust_remote_code=cfg.model.trust_remote_code)
     described = cfg
     if not isinstance(cfg.batch.micro_batch, int):
         described = cfg.updated({"batch.micro_batch": 1})

@@ -6,7 +6,8 @@ varies precision, optimizer, checkpointing, chunked loss, activation offload, op
 and the micro_batch x grad_accum split of the user's sequences per step. Options the user gave stay
 fixed. Every candidate is checked by the trainer's own config rules, scored by the analytic
 estimate (fractions of a millisecond) and, if it fits with the margin, by the step-time model of
-memory/costs.py.
+memory/costs.py. The space it walks is memory/search_space.py; the plans it scores and how it picks
+among them, memory/candidates.py.
 
 Pruning: a family's leanest member (every memory saver on, micro_batch 1) is estimated first; if
 even that misses the budget the family is rejected with the amount it misses, without enumerating it.
@@ -14,70 +15,20 @@ even that misses the budget the family is rejected with the amount it misses, wi
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass, field
 
-from memfit.config import ConfigError, RunConfig
-from memfit.config.distributed import launch_problems
+from memfit.config import RunConfig
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
-from memfit.memory.single_device import StrategyTerms
-from memfit.memory.costs import METHOD_GIVES_UP, QUANTS, step_time
-from memfit.memory.estimate import Estimate
+from memfit.memory.candidates import Candidate, pareto, prefer_fidelity
+from memfit.memory.costs import step_time
 from memfit.memory.fits import FitRule, default_margin, largest_that_fits
 from memfit.memory.gpus import GPU
-from memfit.memory.model_shape import ModelShape, adapted_linears, linear_leaf_names, model_shape
-from memfit.strategies.optimizers import OPTIMIZER_ENTRIES, optimizer_entry
-from memfit.strategies.precision import PRECISION_ENTRIES, precision_entry
-from memfit.strategies.quantization import quant_shape_problem
+from memfit.memory.model_shape import ModelShape, model_shape
+from memfit.memory.search_space import (SEARCHED, families, family_members, fixed_values, leanest_updates, member_config,
+                                        sequences_per_step, tried_values, with_forced)
+from memfit.memory.single_device import StrategyTerms
 from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import format_bytes
-
-CHECKPOINTING = ("none", "every-4", "every-2", "full")
-OPTIMIZERS_SEARCHED = tuple(entry.name for entry in OPTIMIZER_ENTRIES if entry.searched)
-# the leanest pre-check tries these: no one optimizer keeps the fewest bytes for every model
-OPTIMIZERS_LEAN = tuple(entry.name for entry in OPTIMIZER_ENTRIES if entry.lean)
-PRECISIONS_SEARCHED = tuple(entry.name for entry in PRECISION_ENTRIES if entry.searched)
-# the leanest pre-check tries the searched precision that keeps the fewest bytes per weight and per activation
-PRECISION_LEAN = min((entry for entry in PRECISION_ENTRIES if entry.searched),
-                     key=lambda entry: (entry.weight_bytes, entry.compute_bytes)).name
-TIE = 0.05  # plans within 5% of the fastest step time count as equally fast: fidelity decides
-# config paths the search may choose; a value the user set is held fixed
-SEARCHED = ("method", "quant.scheme", "precision", "optim.name", "memory.checkpointing",
-            *(strategy.path for strategy in STEP_STRATEGIES),
-            *(f"memory.{option}" for strategy in STEP_STRATEGIES for option in strategy.searched_options),
-            "distributed.sharding", "distributed.offload",
-            "distributed.tensor_parallel", "distributed.pipeline_parallel", "optim.max_grad_norm")
-# the per-rank estimate (memory/distributed_estimate.py) does not model these yet: off in sharded families
-UNMODELLED_SHARDED = {strategy.path: False for strategy in STEP_STRATEGIES if not strategy.sharded_estimate}
-# what a plan's summary shows: short name -> config path
-SUMMARY = {"method": "method", "quant": "quant.scheme", "precision": "precision", "optimizer": "optim.name",
-           "checkpointing": "memory.checkpointing", **{strategy.name: strategy.path for strategy in STEP_STRATEGIES},
-           "attention": "memory.attention", "micro_batch": "batch.micro_batch", "grad_accum": "batch.grad_accum",
-           "seq_len": "data.seq_len"}
-SUMMARY_IF_SET = {"sharding": "distributed.sharding", "offload": "distributed.offload",
-                  "tensor_parallel": "distributed.tensor_parallel", "pipeline_parallel": "distributed.pipeline_parallel"}
-# micro_batch x grad_accum is always re-split, holding the sequences per optimizer step the user asked for
-
-
-@dataclass
-class Candidate:
-    cfg: RunConfig
-    family: str
-    estimate: Estimate
-    device_bytes: int          # what the GPU must hold (nvidia-smi): reserved + CUDA context
-    step_seconds: float = 0.0
-    tokens_per_second: float = 0.0
-    time_terms: dict = field(default_factory=dict)
-
-    @property
-    def gives_up(self) -> list[str]:
-        return gives_up(self.cfg)
-
-    def to_dict(self) -> dict:
-        return {"family": self.family, "config": config_summary(self.cfg), "device_bytes": self.device_bytes,
-                "peak_reserved_bytes": self.estimate.peak_reserved_bytes, "cpu_ram_bytes": self.estimate.cpu_ram_bytes,
-                "step_seconds": round(self.step_seconds, 4), "tokens_per_second": round(self.tokens_per_second, 1),
-                "gives_up": self.gives_up}
 
 
 @dataclass
@@ -131,145 +82,6 @@ class Rung:
         return out
 
 
-def config_summary(cfg: RunConfig) -> dict:
-    out = {name: cfg.get(path) for name, path in SUMMARY.items()}
-    out.update({name: cfg.get(path) for name, path in SUMMARY_IF_SET.items() if cfg.get(path) not in ("none", 1)})
-    return out
-
-
-def gives_up(cfg: RunConfig) -> list[str]:
-    """What a plan trades against full fine-tuning in bf16-mixed with AdamW and clipping."""
-    out = [METHOD_GIVES_UP[cfg.method], QUANTS[cfg.quant.scheme].gives_up, precision_entry(cfg.precision).gives_up,
-           optimizer_entry(cfg.optim.name).gives_up]
-    if cfg.optim.max_grad_norm is None:
-        out.append("no gradient clipping")
-    return [item for item in out if item]
-
-
-def fidelity_rank(cfg: RunConfig) -> tuple:
-    """Lower is closer to full fine-tuning: method first (full > LoRA > 8-bit base > 4-bit base)."""
-    method = {"full": 0, "lora": 1, "qlora": 3}[cfg.method] + (1 if cfg.quant.scheme == "int8" else 0)
-    return method, len(gives_up(cfg))
-
-
-# --- the space ------------------------------------------------------------------------------------------
-def families(cfg: RunConfig, gpus: int, device: str) -> list[tuple[str, dict]]:
-    """(name, {config path: value}) of every method x engine family this run may use."""
-    methods = [("full", {"method": "full", "quant.scheme": "none"}),
-               ("LoRA", {"method": "lora", "quant.scheme": "none"}),
-               ("LoRA, 8-bit base", {"method": "lora", "quant.scheme": "int8"}),
-               ("QLoRA", {"method": "qlora", "quant.scheme": "nf4-dq"})]
-    sharding, offload = "distributed.sharding", "distributed.offload"
-    tp, pp = "distributed.tensor_parallel", "distributed.pipeline_parallel"
-    out = []
-    for name, fields in methods:
-        if gpus == 1:
-            out.append((name, {**fields, sharding: "none", offload: "none"}))
-            if fields["method"] == "full" and device == "cuda":
-                out.append((name + " + CPU offload (FSDP2, one process)",
-                            {**fields, sharding: "zero3", offload: "all", **UNMODELLED_SHARDED}))
-            continue
-        engines = [("DDP", {sharding: "ddp"})]
-        if fields["quant.scheme"] == "none":
-            engines += [("ZeRO-2", {sharding: "zero2"}), ("ZeRO-3", {sharding: "zero3"})]
-        if fields["method"] == "full":
-            engines += [("ZeRO-1", {sharding: "zero1"}),
-                        ("ZeRO-3 + CPU offload", {sharding: "zero3", offload: "all"}),
-                        (f"tensor parallel {gpus}", {sharding: "none", tp: gpus}),
-                        (f"pipeline parallel {gpus}", {sharding: "none", pp: gpus, "optim.max_grad_norm": None})]
-        for engine, extra in engines:
-            out.append((f"{name}, {engine}", {**fields, offload: "none", tp: 1, pp: 1, **extra, **UNMODELLED_SHARDED}))
-    return out
-
-
-def _fixed(cfg: RunConfig, fixed: set[str]) -> dict:
-    return {path: cfg.get(path) for path in fixed}
-
-
-def _choices(cfg: RunConfig, device: str, shape: ModelShape | None = None) -> dict[str, tuple]:
-    """The values each inner dimension takes."""
-    choices = {"precision": PRECISIONS_SEARCHED, "optim.name": OPTIMIZERS_SEARCHED,
-               "memory.checkpointing": CHECKPOINTING}
-    for strategy in STEP_STRATEGIES:
-        choices[strategy.path] = _tried(strategy, strategy.searched, device, shape)
-    return choices
-
-
-def _tried(strategy, values: tuple, device: str, shape: ModelShape | None = None) -> tuple:
-    """The values of a step strategy the search tries on `device` for a model of `shape` (off only where
-    it is a no-op or cannot run on this model)."""
-    runs = (device == "cuda" or not strategy.cuda_only) and not (
-        shape is not None and strategy.model_problem and strategy.model_problem(shape))
-    return values if runs else (False,)
-
-
-def _batch_shapes(sequences: int) -> list[tuple[int, int]]:
-    """(micro_batch, grad_accum) pairs holding the user's sequences per optimizer step."""
-    shapes = [(m, sequences // m) for m in (1 << k for k in range(sequences.bit_length())) if sequences % m == 0]
-    return shapes if (sequences, 1) in shapes else shapes + [(sequences, 1)]
-
-
-def sequences_per_step(cfg: RunConfig) -> int:
-    return (cfg.batch.micro_batch if isinstance(cfg.batch.micro_batch, int) else 1) * cfg.batch.grad_accum
-
-
-def _no_adapters(cfg: RunConfig, shape: ModelShape) -> str | None:
-    """Why an adapter plan would train nothing: its lora.targets name none of the model's block linears
-    (the default q_proj, v_proj on GPT-2, Phi or Falcon); the trainer refuses such a run."""
-    if cfg.method == "full" or adapted_linears(shape, cfg):
-        return None
-    return (f"lora.targets {cfg.lora.targets} name none of this model's block linears "
-            f"({', '.join(sorted(linear_leaf_names(shape)))}); set --lora-targets")
-
-
-def _strategy_problem(cfg: RunConfig, shape: ModelShape) -> str | None:
-    """Why a step strategy `cfg` switches on cannot run on a model of `shape` (the user fixed it on)."""
-    for strategy in STEP_STRATEGIES:
-        if strategy.model_problem and getattr(cfg.memory, strategy.name):
-            if problem := strategy.model_problem(shape):
-                return problem
-    return None
-
-
-def _build(base: RunConfig, update: dict, model_config, gpus: int) -> RunConfig | list[str]:
-    """The candidate, or why the trainer would refuse it: its config rules (checked on every
-    construction), layer shapes its quantization backend cannot take and, on several GPUs, the
-    launch rules."""
-    try:
-        cfg = base.updated(update, "planned config")
-    except ConfigError as exc:
-        return exc.problems
-    shape = model_shape(model_config)
-    problem = quant_shape_problem(cfg, shape.linear) or _no_adapters(cfg, shape) or _strategy_problem(cfg, shape)
-    if problem:
-        return [problem]
-    if gpus > 1 or cfg.distributed.tensor_parallel > 1 or cfg.distributed.pipeline_parallel > 1:
-        return launch_problems(cfg, gpus, model_config) or cfg
-    return cfg
-
-
-def _members(base: RunConfig, family: dict, fixed: dict, sequences: int, device: str, shape: ModelShape):
-    """The updates of every member of one family (the trainer's rules are checked by _build)."""
-    dims = {k: v for k, v in _choices(base, device, shape).items() if k not in fixed and k not in family}
-    shapes = _batch_shapes(sequences)
-    keys = list(dims)
-    for values in itertools.product(*(dims[k] for k in keys)):
-        for chosen in _with_options(dict(zip(keys, values)), base, fixed):
-            for mb, ga in shapes:
-                update = {**family, **chosen, "batch.micro_batch": mb, "batch.grad_accum": ga, "budget": None}
-                yield _with_forced(update, base, fixed)
-
-
-def _with_options(chosen: dict, base: RunConfig, fixed: dict):
-    """`chosen` once for each combination of the searched options of the strategies it switches on."""
-    options = {f"memory.{name}": values for strategy in STEP_STRATEGIES
-               if chosen.get(strategy.path, getattr(base.memory, strategy.name))
-               for name, values in strategy.searched_options.items() if f"memory.{name}" not in fixed}
-    for values in itertools.product(*options.values()):
-        yield {**chosen, **dict(zip(options, values))}
-
-
-# --- scoring ----------------------------------------------------------------------------------------------
 class _Scorer:
     def __init__(self, model_config, shape: ModelShape, gpu: GPU, gpus: int, device: str, limit: int,
                  host_ram: int | None):
@@ -295,31 +107,6 @@ class _Scorer:
         return c
 
 
-def _leanest(base: RunConfig, family: dict, fixed: dict, device: str,
-             shape: ModelShape | None = None) -> list[RunConfig]:
-    """The family's most memory-saving settings at micro_batch 1 (a few, as no one optimizer is smallest
-    for every model): the pre-check that rejects a whole family with one or two estimates."""
-    out = []
-    lean = [[(strategy.path, value) for value in _tried(strategy, strategy.lean, device, shape)]
-            for strategy in STEP_STRATEGIES]
-    for optimizer, *switches in itertools.product(OPTIMIZERS_LEAN, *lean):
-        update = {"precision": PRECISION_LEAN, "memory.checkpointing": "full", "optim.name": optimizer,
-                  **dict(switches), "batch.micro_batch": 1, "batch.grad_accum": 1, "budget": None, **family}
-        out.append(_with_forced(update, base, fixed))
-    return out
-
-
-def _with_forced(update: dict, base: RunConfig, fixed: dict) -> dict:
-    """The update with the settings its step strategies force (unless the user fixed them), then
-    the user's fixed values on top."""
-    given = {**update, **fixed}
-    for strategy in STEP_STRATEGIES:
-        if given.get(strategy.path, getattr(base.memory, strategy.name)):
-            update.update({path: value for path, value in strategy.forces.items() if path not in fixed})
-    update.update(fixed)
-    return update
-
-
 def _limit_of(cfg: RunConfig, scorer: _Scorer, family: str, path: str, high: int) -> int:
     """The largest batch.micro_batch (at grad_accum 1) or data.seq_len of `cfg` that fits."""
     def fits(value: int) -> bool:
@@ -338,7 +125,7 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
     shape = model_shape(model_config)
     margin = default_margin(budget) if margin is None else margin
     scorer = _Scorer(model_config, shape, gpu, gpus, device, budget - margin, host_ram)
-    fixed = _fixed(base, set(fixed_fields) & set(SEARCHED))
+    fixed = fixed_values(base, set(fixed_fields) & set(SEARCHED))
     sequences = sequences_per_step(base)
     seq_limit = int(getattr(model_config, "max_position_embeddings", None) or getattr(model_config, "n_positions", 4096))
     results, fitting = [], []
@@ -347,7 +134,7 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
             given = ", ".join(f"{k}={v}" for k, v in fixed.items() if k in family and family[k] != v)
             results.append(FamilyResult(name, False, f"excluded by your option(s) {given}"))
             continue
-        built = [_build(base, update, model_config, gpus) for update in _leanest(base, family, fixed, device, shape)]
+        built = [member_config(base, update, model_config, gpus) for update in leanest_updates(base, family, fixed, device, shape)]
         lean = [scorer.memory(cfg, name) for cfg in built if isinstance(cfg, RunConfig)]
         if not lean:
             results.append(FamilyResult(name, False, f"not runnable: {built[0][0]}"))
@@ -370,14 +157,14 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
                 f"budget by {format_bytes(leanest.device_bytes + margin - budget)}", leanest))
             results[-1].max_seq_len, results[-1].longest = longest if max_seq_len else (None, None)
             continue
-        members = [scorer.timed(c) for update in _members(base, family, fixed, sequences, device, shape)
-                   if isinstance(cfg := _build(base, update, model_config, gpus), RunConfig)
+        members = [scorer.timed(c) for update in family_members(base, family, fixed, sequences, device, shape)
+                   if isinstance(cfg := member_config(base, update, model_config, gpus), RunConfig)
                    and scorer.fits(c := scorer.memory(cfg, name))]
         if not members:  # the lean pre-check fits, but not at the user's sequences per step
             results.append(FamilyResult(name, False, f"fits only with other batch settings; leanest "
                                                      f"{format_bytes(leanest.device_bytes)}", leanest))
             continue
-        best = _prefer_fidelity(members)
+        best = prefer_fidelity(members)
         fitting += members
         results.append(FamilyResult(name, True, f"fits: {format_bytes(best.device_bytes)} + margin "
                                                 f"{format_bytes(margin)} of {format_bytes(budget)}", best))
@@ -386,7 +173,7 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
                                                     4096)
         if max_seq_len:
             results[-1].max_seq_len, results[-1].longest = longest
-    chosen = _prefer_fidelity(fitting) if fitting else None
+    chosen = prefer_fidelity(fitting) if fitting else None
     result = SearchResult(budget, margin, gpu, results, pareto(fitting, chosen), chosen, scorer.count, host_ram)
     if chosen is not None:
         if max_micro_batch:
@@ -414,13 +201,13 @@ def seq_len_ladder(start: RunConfig, scorer: _Scorer, family: str, high: int, fi
     savers = {} if "memory.checkpointing" in fixed else {"checkpointing full": {"memory.checkpointing": "full"}}
     shape = model_shape(model_config)
     savers |= {strategy.name.replace("_", " "): {strategy.path: True} for strategy in STEP_STRATEGIES
-               if strategy.path not in fixed and True in _tried(strategy, strategy.lean, device, shape)}
+               if strategy.path not in fixed and True in tried_values(strategy, strategy.lean, device, shape)}
     off = {"memory.checkpointing": "none"} | {strategy.path: False for strategy in STEP_STRATEGIES}
     off |= {f"memory.{name}": values[0] for strategy in STEP_STRATEGIES for name, values in strategy.searched_options.items()}
     current = {path: value for path, value in off.items() if path not in fixed}
 
     def rung(added: str, update: dict) -> Rung | None:
-        cfg = _build(start, _with_forced(dict(update), start, fixed), model_config, gpus)
+        cfg = member_config(start, with_forced(dict(update), start, fixed), model_config, gpus)
         if not isinstance(cfg, RunConfig):
             return None
         longest, best = _longest(cfg, scorer, family, high)
@@ -436,24 +223,3 @@ def seq_len_ladder(start: RunConfig, scorer: _Scorer, family: str, high: int, fi
 def _lean_like(best: RunConfig, lean: RunConfig) -> RunConfig:
     """The leanest settings, for the largest micro-batch a family can take at the requested seq_len."""
     return lean.updated({"data.seq_len": best.data.seq_len})
-
-
-def _prefer_fidelity(candidates: list[Candidate]) -> Candidate:
-    """The fastest; among plans within TIE of it, the one that gives up least."""
-    fastest = min(c.step_seconds for c in candidates)
-    close = [c for c in candidates if c.step_seconds <= fastest * (1 + TIE)]
-    return min(close, key=lambda c: (fidelity_rank(c.cfg), c.step_seconds))
-
-
-def pareto(candidates: list[Candidate], chosen: Candidate | None = None, keep: int = 8) -> list[Candidate]:
-    """Fastest first; a plan stays only if it needs less memory than every faster one. The chosen
-    plan is always listed (it may be a slightly slower plan that gives up less)."""
-    front, smallest = [], None
-    for c in sorted(candidates, key=lambda c: (c.step_seconds, c.device_bytes)):
-        if c is chosen or smallest is None or c.device_bytes < smallest:
-            front.append(c)
-            smallest = c.device_bytes if smallest is None else min(smallest, c.device_bytes)
-    shown = front[:keep]
-    if chosen is not None and chosen not in shown:
-        shown = sorted(shown[:keep - 1] + [chosen], key=lambda c: c.step_seconds)
-    return shown

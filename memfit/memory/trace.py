@@ -35,11 +35,12 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.build import build_run, trainable
 from memfit.config import RunConfig
+from memfit.distributed.engine import resolve_device
 from memfit.errors import MemfitError
 from memfit.memory.estimate import Estimate
 from memfit.memory.tracker import MemoryTracker
-from memfit.strategies.optimizers import optimizer_entry
 from memfit.step import step_strategies, tracked_steps
+from memfit.strategies.optimizers import optimizer_entry
 
 log = logging.getLogger(__name__)
 
@@ -237,10 +238,10 @@ def _real_tensors():
 
 
 def target_device(cfg: RunConfig, device: str | torch.device | None) -> torch.device:
-    """The device the estimate is for: `device`, else cfg.device ('auto': cuda when torch sees one)."""
+    """The device the estimate is for: `device`, else cfg.device ('auto' as the engine resolves it)."""
     name = device.type if isinstance(device, torch.device) else (device or cfg.device)
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        name = resolve_device(name).type
     if name not in ("cpu", "cuda"):
         raise MemfitError(f"device: cannot estimate for '{name}'; supported: cpu, cuda")
     return torch.device(name)

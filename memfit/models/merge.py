@@ -31,18 +31,18 @@ from torch import nn
 from memfit.config import ModelConfig, RunConfig, load_config
 from memfit.errors import MemfitError, require
 from memfit.models.loading import build_model, drop_tied_copies, has_weights, load_saved_model
+from memfit.strategies.precision import precision_entry
 from memfit.strategies.quantization import compute_dtype, dequantize_model, quantize_model
 
 log = logging.getLogger(__name__)
 BASE_DIR = "base_model"
 MERGED_DIR = "merged"
-_BASE_DTYPE = {"bf16-pure": torch.bfloat16}  # every other precision keeps fp32 weights
 _TRAINED_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")
 _QUANT_STATE = re.compile(r"\.(absmax|quant_map|quant_state|nested_absmax|nested_quant_map|SCB|weight_format)\b")
 
 
 def base_dtype(cfg: RunConfig) -> torch.dtype:
-    return _BASE_DTYPE.get(cfg.precision, torch.float32)
+    return precision_entry(cfg.precision).weight_dtype
 
 
 def save_adapter_outputs(model: nn.Module, cfg: RunConfig, out: Path,
@@ -129,7 +129,7 @@ def load_base(run_dir: Path, cfg: RunConfig) -> nn.Module:
         return load_saved_model(run_dir / BASE_DIR, dtype)
     base = build_model(ModelConfig(**cfg.model.model_dump()), cfg.memory.attention, dtype=dtype)
     if cfg.quant.scheme != "none":
-        quantize_model(base, cfg.quant.scheme, cfg.quant.backend, compute_dtype(cfg))
+        quantize_model(base, cfg.quant.scheme, cfg.quant.backend, compute_dtype(cfg.quant.compute_dtype, cfg.precision))
         dequantize_model(base, dtype)
     return base
 

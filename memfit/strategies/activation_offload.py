@@ -26,7 +26,7 @@ from contextlib import nullcontext
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memfit.strategies.step_strategy import StepStrategy
+from memfit.strategies.step_strategy import StepSettings, StepStrategy
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +216,7 @@ def _offload_peak(moments: dict, terms) -> None:
         return
     # a checkpointed last layer brings back only its input; its recomputed tensors are temporaries
     back = terms.hidden_bytes if terms.last_layer_checkpointed else terms.layer_bytes
-    if terms.cfg.memory.activation_offload_prefetch:
+    if terms.options["activation_offload_prefetch"]:
         back += terms.hidden_bytes  # the next layer's input, on its way back while this layer runs
         # the second layer's backward holds the first layer's input too (an upper bound: it has one
         # layer's gradients fewer than the first layer's backward)
@@ -234,23 +234,23 @@ def _offload_host_bytes(terms) -> int:
 def _offload_work(terms) -> dict[str, float]:
     """Out in the forward, back in the backward, every micro-batch; with prefetch the copies back
     run under the recompute and backward of the layer before, and are not charged."""
-    trips = 1 if terms.cfg.memory.activation_offload_prefetch else 2
+    trips = 1 if terms.options["activation_offload_prefetch"] else 2
     return {"host_bytes": trips * terms.activation_bytes * terms.micro_batches}
 
 
-def _offload_problems(cfg) -> list[str]:
-    if cfg.memory.activation_offload_prefetch and cfg.memory.checkpointing != "full":
+def _offload_problems(settings: StepSettings, activation_offload_prefetch: bool) -> list[str]:
+    if activation_offload_prefetch and settings.checkpointing != "full":
         return [f"memory.activation_offload_prefetch prefetches each layer's checkpointed input: it needs "
-                f"memory.checkpointing: full (got {cfg.memory.checkpointing})"]
+                f"memory.checkpointing: full (got {settings.checkpointing})"]
     return []
 
 
 ACTIVATION_OFFLOAD = StepStrategy(
     "activation_offload", "Keep tensors saved for backward in pinned CPU memory (CUDA runs; a no-op on CPU). "
                           "Same gradients, slower steps.",
-    hooks=lambda cfg, device, optimizer, params, traced: {"saved_activations": activation_offload(
-        True, device, params, traced=traced, prefetch=cfg.memory.activation_offload_prefetch)},
-    peak=_offload_peak, host_bytes=_offload_host_bytes, work=_offload_work, problems=_offload_problems,
+    hooks=lambda device, optimizer, params, traced, activation_offload_prefetch: {"saved_activations":
+        activation_offload(True, device, params, traced=traced, prefetch=activation_offload_prefetch)},
+    peak=_offload_peak, host_bytes=_offload_host_bytes, work=_offload_work, rules=_offload_problems,
     lean=(False, True), cuda_only=True, sharded_estimate=False, without_deepspeed="not supported",
     options={"activation_offload_prefetch": (bool, dict(default=False, description=(
         "With memory.activation_offload and memory.checkpointing: full, bring the next layer's input back "

@@ -12,49 +12,50 @@ its last components); peft itself would drop an unknown one silently when anothe
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from memfit.errors import MemfitError, require
-from memfit.strategies.quantization import compute_dtype, is_quantized, is_quantized_linear, quantize_model
-
-if TYPE_CHECKING:  # strategies read a config's fields but sit below memfit.config
-    from memfit.config import RunConfig
+from memfit.strategies.precision import precision_entry
+from memfit.strategies.quantization import is_quantized, is_quantized_linear, quantize_model
 
 
 class LoraTargetError(MemfitError):
     """A name in lora.targets that the model has no module for."""
 
 
-def apply_method(model: PreTrainedModel, cfg: RunConfig, device: torch.device | str | None = None) -> PreTrainedModel:
+def apply_method(model: PreTrainedModel, *, method: str, targets: list[str] | str, rank: int, alpha: float,
+                 dropout: float, use_dora: bool, use_rslora: bool, train_embeddings: bool, train_lm_head: bool,
+                 quant_scheme: str, quant_backend: str, quant_dtype: torch.dtype, precision: str,
+                 device: torch.device | str | None = None) -> PreTrainedModel:
     """Full fine-tuning leaves the model as is; LoRA/QLoRA freeze it and add trainable adapters.
 
-    With `device`, the model moves there first, so that quantization happens on the device the
-    model trains on (a model loaded already quantized stays where its loader put it).
+    method: full, lora or qlora; targets ... train_lm_head: the lora settings; quant_scheme and
+    quant_backend: the base weights' quantization, computing in quant_dtype; precision: a precision
+    entry's name (bf16-pure keeps the unquantized parameters in bf16). With `device`, the model moves
+    there first, so that quantization happens on the device the model trains on (a model loaded
+    already quantized stays where its loader put it).
     """
     if device is not None and not is_quantized(model):
         model = model.to(device)
-    if cfg.method == "full":
+    if method == "full":
         return model
-    check_lora_targets(model, cfg.lora.targets)
-    peft = require("peft", f"method: {cfg.method}")
-    if cfg.quant.scheme != "none":
-        quantize_model(model, cfg.quant.scheme, cfg.quant.backend, compute_dtype(cfg))
-        prepare_quantized_for_training(model, upcast=cfg.precision != "bf16-pure")
-    saved = modules_to_save(model, cfg)
+    check_lora_targets(model, targets)
+    peft = require("peft", f"method: {method}")
+    if quant_scheme != "none":
+        quantize_model(model, quant_scheme, quant_backend, quant_dtype)
+        prepare_quantized_for_training(model, upcast=precision_entry(precision).weight_dtype == torch.float32)
+    saved = modules_to_save(model, train_embeddings=train_embeddings, train_lm_head=train_lm_head)
     # Tied input/output embeddings stay tied when one of them is trained in full.
     tied = bool(saved) and bool(getattr(model.config, "tie_word_embeddings", False))
-    lora = peft.LoraConfig(r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                           target_modules=cfg.lora.targets, use_dora=cfg.lora.use_dora,
-                           use_rslora=cfg.lora.use_rslora, modules_to_save=saved or None,
+    lora = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets,
+                           use_dora=use_dora, use_rslora=use_rslora, modules_to_save=saved or None,
                            ensure_weight_tying=tied, task_type="CAUSAL_LM")
     try:
         return peft.get_peft_model(model, lora)
     except ValueError as exc:  # e.g. target modules that the model does not have
-        raise MemfitError(f"lora.targets {cfg.lora.targets!r}: {str(exc).splitlines()[0]}") from None
+        raise MemfitError(f"lora.targets {targets!r}: {str(exc).splitlines()[0]}") from None
 
 
 def prepare_quantized_for_training(model: nn.Module, upcast: bool = True) -> nn.Module:
@@ -75,12 +76,13 @@ def prepare_quantized_for_training(model: nn.Module, upcast: bool = True) -> nn.
     return model
 
 
-def modules_to_save(model: nn.Module, cfg: RunConfig) -> list[str]:
-    """Module names (as peft matches them: the last name component) for train_embeddings / train_lm_head."""
+def modules_to_save(model: nn.Module, *, train_embeddings: bool, train_lm_head: bool) -> list[str]:
+    """Module names (as peft matches them: the last name component) for lora.train_embeddings /
+    lora.train_lm_head."""
     wanted = []
-    if cfg.lora.train_embeddings:
+    if train_embeddings:
         wanted.append(("lora.train_embeddings", model.get_input_embeddings()))
-    if cfg.lora.train_lm_head:
+    if train_lm_head:
         wanted.append(("lora.train_lm_head", model.get_output_embeddings()))
     names = []
     by_id = {id(module): name for name, module in model.named_modules()}
@@ -116,11 +118,13 @@ def check_lora_targets(model: nn.Module, targets) -> None:
                           "(or set lora.targets: all-linear)")
 
 
-def check_lora_targets_on_meta(model_config, cfg: RunConfig) -> None:
-    """check_lora_targets for cfg on a `meta` build of `model_config` (no memory): for the planner,
-    which resolves the targets from the architecture without building the model that trains."""
-    if cfg.method == "full" or cfg.lora.targets == "all-linear":
+def check_lora_targets_on_meta(model_config, *, method: str, targets: list[str] | str,
+                               trust_remote_code: bool) -> None:
+    """check_lora_targets for `method` and `targets` (lora.targets) on a `meta` build of `model_config`
+    (no memory): for the planner, which resolves the targets from the architecture without building the
+    model that trains. trust_remote_code: model.trust_remote_code, for a model whose code the hub ships."""
+    if method == "full" or targets == "all-linear":
         return
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=cfg.model.trust_remote_code)
-    check_lora_targets(model, cfg.lora.targets)
+        model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=trust_remote_code)
+    check_lora_targets(model, targets)

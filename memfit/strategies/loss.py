@@ -118,6 +118,6 @@ def _chunked_work(terms) -> dict[str, float]:
 CHUNKED_LOSS = StepStrategy(
     "chunked_loss", "Cross-entropy over chunks of tokens with recomputation: the full [tokens x vocab] fp32 "
                     "logits never exist (same loss and gradients).",
-    hooks=lambda cfg, device, optimizer, params, traced: {"loss_fn": loss_function(True)},
+    hooks=lambda device, optimizer, params, traced: {"loss_fn": loss_function(True)},
     peak=_chunked_peak, work=_chunked_work, sharded_estimate=False,
     without_deepspeed="it calls the decoder and lm_head around the engine")

@@ -25,7 +25,8 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
 from memfit.errors import MemfitError
-from memfit.strategies.step_strategy import StepStrategy
+from memfit.strategies.precision import precision_entry
+from memfit.strategies.step_strategy import StepSettings, StepStrategy
 
 
 class InBackwardUpdate:
@@ -61,22 +62,22 @@ class InBackwardUpdate:
         self.handles = []
 
 
-def in_backward_problems(cfg) -> list[str]:
-    """Config combinations optimizer_in_backward cannot honour (reported with all other problems)."""
+def in_backward_problems(settings: StepSettings) -> list[str]:
+    """Settings optimizer_in_backward cannot honour (reported with all other problems of the config)."""
     problems = []
-    if cfg.batch.grad_accum != 1:
+    if settings.grad_accum != 1:
         problems.append("memory.optimizer_in_backward: needs batch.grad_accum: 1 (each parameter is updated as soon "
                         "as one "
-                        f"micro-batch's gradient is ready); got batch.grad_accum={cfg.batch.grad_accum}")
-    if cfg.optim.max_grad_norm is not None:
+                        f"micro-batch's gradient is ready); got batch.grad_accum={settings.grad_accum}")
+    if settings.max_grad_norm is not None:
         problems.append("memory.optimizer_in_backward: cannot clip by global norm (other parameters are already "
                         "updated "
-                        f"when it is known); set optim.max_grad_norm: null (got {cfg.optim.max_grad_norm})")
-    if cfg.precision == "fp16-mixed":
-        problems.append("memory.optimizer_in_backward: fp16-mixed's loss scaler must check every gradient before any "
-                        "update; use bf16-mixed or fp32")
-    if cfg.distributed.sharding != "none":
-        problems.append(f"memory.optimizer_in_backward: not with distributed.sharding: {cfg.distributed.sharding} (the "
+                        f"when it is known); set optim.max_grad_norm: null (got {settings.max_grad_norm})")
+    if precision_entry(settings.precision).scaler:
+        problems.append(f"memory.optimizer_in_backward: {settings.precision}'s loss scaler must check every gradient "
+                        "before any update; use bf16-mixed or fp32")
+    if settings.sharding != "none":
+        problems.append(f"memory.optimizer_in_backward: not with distributed.sharding: {settings.sharding} (the "
                         "gradient must be reduced "
                         "across ranks before the update); use distributed.sharding: none")
     return problems
@@ -94,7 +95,7 @@ def _in_backward_peak(moments: dict, terms) -> None:
 OPTIMIZER_IN_BACKWARD = StepStrategy(
     "optimizer_in_backward", "Update each parameter as soon as its gradient is ready and free that gradient; "
                              "needs batch.grad_accum: 1 and optim.max_grad_norm: null.",
-    hooks=lambda cfg, device, optimizer, params, traced: {"update": InBackwardUpdate(optimizer, params)},
-    peak=_in_backward_peak, problems=in_backward_problems, lean=(True, False),
+    hooks=lambda device, optimizer, params, traced: {"update": InBackwardUpdate(optimizer, params)},
+    peak=_in_backward_peak, rules=in_backward_problems, lean=(True, False),
     without_deepspeed="the DeepSpeed engine owns the optimizer step",
     forces={"optim.max_grad_norm": None}, gives_up="no gradient clipping")

@@ -11,8 +11,8 @@ An entry (`OptimizerEntry`) gives what the trainer needs (`build`: the optimizer
 parameters) and what the planner and the config rules need (state and scratch bytes, whether it runs
 on sharded parameters and under DeepSpeed, what the search tries, what it gives up). Everything else
 reads `OPTIMIZERS`: the config's `optim.name` choices, `memfit plan --optimizer`, the analytic memory
-terms (memory/single_device.py, memory/distributed_estimate.py, memory/phases.py), the speed model
-(memory/costs.py), the search (memory/search.py) and the engine rules (config/distributed.py,
+terms (memory/model_states.py, memory/distributed_estimate.py, memory/phases.py), the speed model
+(memory/costs.py), the search (memory/search_space.py) and the engine rules (config/distributed.py,
 config/deepspeed.py). A new optimizer is one entry here and its name in `OPTIMIZERS`.
 Entries receive values (parameters, learning rate, sizes), never the RunConfig.
 """

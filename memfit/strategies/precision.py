@@ -10,8 +10,8 @@ An entry (`PrecisionEntry`) gives the dtypes the trainer builds and computes in 
 it into the `PrecisionPlan` the step runs) and what the planner reads of them: bytes per weight, per
 trained value and per computed element (the dtypes' own sizes), what the search tries and what it gives
 up. Everything else reads `PRECISION_ENTRIES`: the config's `precision` choices, `memfit plan
---precision`, the analytic memory terms (memory/single_device.py, memory/phases.py), the speed model
-(memory/costs.py) and the search (memory/search.py). Entries hold values, never the RunConfig.
+--precision`, the analytic memory terms (memory/model_states.py, memory/activations.py), the speed
+model (memory/costs.py) and the search (memory/search_space.py). Entries hold values, never the RunConfig.
 """
 
 from __future__ import annotations

@@ -37,55 +37,84 @@ with it the memory tracker and `.to()`) include them. Quantize on the target dev
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from memfit.errors import MemfitError, MissingPackageError, require
+from memfit.strategies.entries import entry_lookup
+from memfit.strategies.precision import precision_entry
 from memfit.tensors import storages
 
 log = logging.getLogger(__name__)
 
 QUANT_BACKENDS = ("bitsandbytes", "torchao")
-FOUR_BIT = ("nf4", "nf4-dq", "fp4")
 _SUPPORTED = {"bitsandbytes": ("nf4", "nf4-dq", "fp4", "int8"), "torchao": ("nf4", "nf4-dq")}
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BNB_BLOCK = 64           # values per absmax (bitsandbytes' QLoRA default)
+BNB_NESTED_BLOCK = 256   # absmax values per fp32 second-level scale (double quantization)
 TORCHAO_BLOCK = 64       # values per scaler
 TORCHAO_SCALER_BLOCK = 256  # scalers per fp32 quantization factor (reduced for small layers, see below)
 INT8_THRESHOLD = 6.0     # LLM.int8() outlier threshold, transformers' BitsAndBytesConfig default
+
+
+@dataclass(frozen=True)
+class QuantEntry:
+    """One way to store the frozen base weights, with what the planner needs to know of it."""
+
+    name: str                # the value of quant.scheme
+    bits: int                # bits per stored value (0: not quantized)
+    bytes_per_param: float   # one stored value with its share of the block scales (the layout above)
+    dequant_bytes: float     # what one dequantization pass moves per value: read the packed value and
+                             # its first-level scale, write the 16-bit copy
+    gives_up: str = ""       # for the plan's table
+
+
+_CODES_4BIT = 4 / 8
+QUANT_ENTRIES = (
+    QuantEntry("none", 0, 0.0, 0.0),
+    QuantEntry("nf4", 4, _CODES_4BIT + 4 / BNB_BLOCK, _CODES_4BIT + 4 / BNB_BLOCK + 2, "4-bit NF4 base weights"),
+    QuantEntry("nf4-dq", 4, _CODES_4BIT + 1 / BNB_BLOCK + 4 / (BNB_BLOCK * BNB_NESTED_BLOCK),
+               _CODES_4BIT + 1 / BNB_BLOCK + 2, "4-bit NF4 base weights"),
+    QuantEntry("fp4", 4, _CODES_4BIT + 4 / BNB_BLOCK, _CODES_4BIT + 4 / BNB_BLOCK + 2, "4-bit FP4 base weights"),
+    QuantEntry("int8", 8, 1.0, 1.0 + 2, "8-bit base weights"),  # + one fp32 scale per row: negligible
+)
+QUANT_SCHEMES, quant_entry = entry_lookup(QUANT_ENTRIES, "quant.scheme")
+FOUR_BIT = tuple(entry.name for entry in QUANT_ENTRIES if entry.bits == 4)
 
 
 class QuantizationError(MemfitError):
     pass
 
 
-def quant_problems(cfg) -> list[str]:
-    """Field combinations that cannot work, one message each (RunConfig validation calls this)."""
+def quantization_problems(*, method: str, scheme: str, backend: str, merge: bool) -> list[str]:
+    """Combinations of the method (`method`, `lora.merge`) and the quantization (`quant.scheme`,
+    `quant.backend`) that cannot work, one message each, for the config's list of problems."""
     problems = []
-    if cfg.method == "full" and cfg.quant.scheme != "none":
-        problems.append(f"quant: {cfg.quant.scheme} freezes the base weights, so it needs method: lora or qlora "
+    if method == "full" and scheme != "none":
+        problems.append(f"quant: {scheme} freezes the base weights, so it needs method: lora or qlora "
                         "(got method: full)")
-    if cfg.method == "qlora" and cfg.quant.scheme not in FOUR_BIT:
+    if method == "qlora" and scheme not in FOUR_BIT:
         problems.append(f"quant: method: qlora needs 4-bit base weights ({', '.join(FOUR_BIT)}); got "
-                        f"{cfg.quant.scheme} "
+                        f"{scheme} "
                         "(for 8-bit base weights use method: lora with quant: int8)")
-    if cfg.quant.backend == "torchao" and cfg.quant.scheme not in ("none", *_SUPPORTED["torchao"]):
-        problems.append(f"quant.backend: torchao provides only nf4 / nf4-dq base weights, not {cfg.quant.scheme}; "
+    if backend == "torchao" and scheme not in ("none", *_SUPPORTED["torchao"]):
+        problems.append(f"quant.backend: torchao provides only nf4 / nf4-dq base weights, not {scheme}; "
                         "use quant.backend: bitsandbytes or auto")
-    if cfg.quant.scheme == "none" and cfg.quant.backend != "auto":
-        problems.append(f"quant.backend: {cfg.quant.backend} is set but quant is none; set quant or drop quant_backend")
-    if cfg.lora.merge and cfg.method == "full":
+    if scheme == "none" and backend != "auto":
+        problems.append(f"quant.backend: {backend} is set but quant is none; set quant or drop quant_backend")
+    if merge and method == "full":
         problems.append("lora.merge: true merges LoRA adapters into the base; method: full has none to merge")
     return problems
 
 
-def compute_dtype(cfg) -> torch.dtype:
-    """dtype the dequantized weights are multiplied in; auto follows the precision setting."""
-    if cfg.quant.compute_dtype != "auto":
-        return _DTYPES[cfg.quant.compute_dtype]
-    return {"bf16-mixed": torch.bfloat16, "bf16-pure": torch.bfloat16, "fp16-mixed": torch.float16}.get(
-        cfg.precision, torch.float32)
+def compute_dtype(setting: str, precision: str) -> torch.dtype:
+    """dtype the dequantized weights are multiplied in: `setting` (quant.compute_dtype) unless it is auto,
+    which follows `precision` (a precision entry's name)."""
+    if setting != "auto":
+        return _DTYPES[setting]
+    return precision_entry(precision).compute_dtype
 
 
 def choose_backend(quant: str, backend: str = "auto") -> str:
@@ -108,24 +137,26 @@ def choose_backend(quant: str, backend: str = "auto") -> str:
                             f"torchao ({', '.join(_SUPPORTED['torchao'])})")
 
 
-def bitsandbytes_config(cfg):
-    """transformers' BitsAndBytesConfig for loading real weights straight into quantized layers."""
+def bitsandbytes_config(scheme: str, dtype: torch.dtype):
+    """transformers' BitsAndBytesConfig for loading real weights straight into quantized layers of
+    `scheme`, computing in `dtype` (`compute_dtype`)."""
     from transformers import BitsAndBytesConfig
 
-    if cfg.quant.scheme == "int8":
+    if scheme == "int8":
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_threshold=INT8_THRESHOLD,
                                   llm_int8_skip_modules=["lm_head"])
-    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4" if cfg.quant.scheme == "fp4" else "nf4",
-                              bnb_4bit_use_double_quant=cfg.quant.scheme == "nf4-dq",
-                              bnb_4bit_compute_dtype=compute_dtype(cfg), llm_int8_skip_modules=["lm_head"])
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4" if scheme == "fp4" else "nf4",
+                              bnb_4bit_use_double_quant=scheme == "nf4-dq",
+                              bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
 
 
-def quantized_loading(cfg, device: torch.device | None = None) -> dict:
+def quantized_loading(*, method: str, scheme: str, backend: str, dtype: torch.dtype,
+                      device: torch.device | None = None) -> dict:
     """from_pretrained kwargs that load real weights straight into bitsandbytes layers ({} when the
     base is not quantized or the backend is torchao, which quantizes after loading)."""
-    if cfg.method == "full" or cfg.quant.scheme == "none" or choose_backend(cfg.quant.scheme, cfg.quant.backend) != "bitsandbytes":
+    if method == "full" or scheme == "none" or choose_backend(scheme, backend) != "bitsandbytes":
         return {}
-    return {"quantization_config": bitsandbytes_config(cfg), "device_map": {"": str(device or "cpu")}}
+    return {"quantization_config": bitsandbytes_config(scheme, dtype), "device_map": {"": str(device or "cpu")}}
 
 
 # --- what is quantized ---------------------------------------------------------------------------
@@ -177,16 +208,17 @@ def torchao_shape_problem(quant: str, linears) -> str | None:
     return None
 
 
-def quant_shape_problem(cfg, linears) -> str | None:
-    """Why `cfg`'s quantized base cannot be built for these (name, in_features, out_features) block
-    layers with the backend it would get here, or None (the planner's search skips such plans)."""
-    if cfg.method == "full" or cfg.quant.scheme == "none":
+def quantized_base_shape_problem(*, method: str, scheme: str, backend: str, linears) -> str | None:
+    """Why a base quantized to `scheme` cannot be built for these (name, in_features, out_features) block
+    layers with the backend `backend` (quant.backend) gives here, or None (the planner's search skips
+    such plans)."""
+    if method == "full" or scheme == "none":
         return None
     try:
-        backend = choose_backend(cfg.quant.scheme, cfg.quant.backend)
+        chosen = choose_backend(scheme, backend)
     except QuantizationError:
         return None  # no backend at all: the build says so, naming what to install
-    return torchao_shape_problem(cfg.quant.scheme, linears) if backend == "torchao" else None
+    return torchao_shape_problem(scheme, linears) if chosen == "torchao" else None
 
 
 def keep_training_kernels(model: nn.Module) -> None:

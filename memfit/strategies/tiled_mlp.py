@@ -70,8 +70,9 @@ def decoder_mlps(model: nn.Module) -> list[tuple[str, nn.Module]]:
             if isinstance(getattr(module, "mlp", None), nn.Module)]
 
 
-def apply_tiled_mlp(model: nn.Module, cfg) -> nn.Module:
-    """Tile every decoder MLP's forward in place (parameter names and state dicts are unchanged)."""
+def apply_tiled_mlp(model: nn.Module, slices: int | None = None) -> nn.Module:
+    """Tile every decoder MLP's forward in place (parameter names and state dicts are unchanged); `slices`
+    is memory.tiled_mlp_slices (`slice_tokens`)."""
     mlps = decoder_mlps(model)
     if not mlps:
         raise MemfitError(f"memory.tiled_mlp: {type(model).__name__} has no decoder layer with an `mlp` module to "
@@ -84,7 +85,7 @@ def apply_tiled_mlp(model: nn.Module, cfg) -> nn.Module:
                               "set memory.tiled_mlp: false")
         hidden = mlp.down_proj.out_features if hasattr(mlp.down_proj, "out_features") else mlp.hidden_size
         # The instance's forward, so nn.Module.__call__ (and its hooks) still runs around the tiles.
-        mlp.forward = functools.partial(tiled_forward, mlp.forward, hidden, cfg.memory.tiled_mlp_slices)
+        mlp.forward = functools.partial(tiled_forward, mlp.forward, hidden, slices)
     return model
 
 
@@ -93,7 +94,7 @@ def apply_tiled_mlp(model: nn.Module, cfg) -> nn.Module:
 
 def _fraction(terms) -> float:
     """One slice's share of the tokens."""
-    return min(1.0, slice_tokens(terms.tokens, terms.shape.hidden, terms.cfg.memory.tiled_mlp_slices) / terms.tokens)
+    return min(1.0, slice_tokens(terms.tokens, terms.shape.hidden, terms.options["tiled_mlp_slices"]) / terms.tokens)
 
 
 def _tiled_peak(moments: dict, terms) -> None:
@@ -108,10 +109,10 @@ def _tiled_peak(moments: dict, terms) -> None:
     for moment in ("backward_start", "backward_last"):
         moments[moment]["activations"] -= terms.live_layers * saved_delta
     for moment, checkpointed in (("backward_last", terms.last_layer_checkpointed),
-                                 ("backward_first", bool(terms.cfg.memory.activation_checkpoint_every))):
+                                 ("backward_first", terms.any_layer_checkpointed)):
         recomputed = (1 - kept) * intermediates if checkpointed else 0
         moments[moment]["temporaries"] -= int(recomputed + max(0, buffers_freed))
-    if not terms.cfg.memory.activation_checkpoint_every:  # the first layer's own saved MLP tensors
+    if not terms.any_layer_checkpointed:  # the first layer's own saved MLP tensors
         moments["backward_first"]["activations"] -= saved_delta
 
 
@@ -126,9 +127,10 @@ TILED_MLP = StepStrategy(
     "tiled_mlp", "Run each decoder MLP over slices of the tokens, each recomputed in backward: one slice's "
                  "intermediates alive at a time (same gradients; one more MLP forward). Gated MLPs "
                  "(Llama, Mistral, Qwen2 ...).",
-    hooks=lambda cfg, device, optimizer, params, traced: {}, model_hook=apply_tiled_mlp,
+    hooks=lambda device, optimizer, params, traced, tiled_mlp_slices: {},
+    model_hook=lambda model, tiled_mlp_slices: apply_tiled_mlp(model, tiled_mlp_slices),
     peak=_tiled_peak, work=_tiled_work, sharded_estimate=False,
-    model_problem=lambda shape: None if shape.family == "llama" else
+    model_problem=lambda shape: None if shape.gated_mlp else
     "memory.tiled_mlp tiles gated MLPs only (gate_proj, up_proj, down_proj); this model's MLP is not one",
     options={"tiled_mlp_slices": (int | None, dict(default=None, ge=1, description=(
         "Slices per MLP with memory.tiled_mlp (null: slices of `hidden` tokens each; more than the "

@@ -1,4 +1,4 @@
-"""The training run: build everything from a RunConfig, one straight loop, save the results."""
+"""The training run: build everything from the resolved run, one straight loop, save the results."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from memfit.train.output_dir import (check_output_dir, planned_disk_bytes, prepa
                                      record_outputs, record_resumed_run)
 from memfit.train.run_lock import hold_output_dir
 from memfit.train.oom import OomRecovery, make_tracker, split_batches
-from memfit.train.resolve import resolve_run
+from memfit.train.resolved_run import ResolvedRun
 from memfit.train.schedule import make_scheduler
 from memfit.train.signals import StopOnSignal, TrainingStopped
 from memfit.units import format_bytes
@@ -73,24 +73,28 @@ class RunResult:
 
 
 def preflight(cfg: RunConfig) -> None:
-    """What can be known wrong before resolving (the planner), the data and the model take time and memory."""
+    """What can be known wrong before the data and the model take time and memory."""
     model_config = load_model_config(cfg.model)[0]
     check_model(cfg, model_config, model_where(cfg.model), int(os.environ.get("WORLD_SIZE", 1)))
-    check_lora_targets_on_meta(model_config, cfg)  # before the data loads: a typo'd target name stops the run
+    # before the data loads: a typo'd target name stops the run
+    check_lora_targets_on_meta(model_config, method=cfg.method, targets=cfg.lora.targets,
+                               trust_remote_code=cfg.model.trust_remote_code)
     check_weights(cfg.model)
     check_output_dir(cfg, planned_disk_bytes(cfg))
     check_tokenizer(cfg.model)  # real weights need their own tokenizer; its ids must fit the embedding
 
 
-def train(cfg: RunConfig, progress: bool = True) -> RunResult:
-    with hold_output_dir(cfg):  # one run per output_dir, claimed before it is judged (run_lock.py)
-        return _train(cfg, progress)
+def train(resolved: ResolvedRun, progress: bool = True) -> RunResult:
+    """Train the run that memfit/train/resolve.py's `resolve_run` made (its device, budget: and
+    micro_batch: auto already decided)."""
+    with hold_output_dir(resolved.cfg):  # one run per output_dir, claimed before it is judged (run_lock.py)
+        return _train(resolved, progress)
 
 
-def _train(cfg: RunConfig, progress: bool) -> RunResult:
+def _train(resolved: ResolvedRun, progress: bool) -> RunResult:
+    cfg = resolved.cfg
     preflight(cfg)
-    cfg = resolve_run(cfg).cfg  # device, host RAM, budget: and micro_batch: auto, decided once (resolve.py)
-    engine = make_engine(cfg)  # under torchrun, joins the group
+    engine = make_engine(cfg, resolved.device)  # under torchrun, joins the group
     device = engine.device
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.model)

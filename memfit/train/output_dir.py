@@ -32,7 +32,7 @@ from memfit.config import RunConfig, move_flat_keys
 from memfit.data.identity import data_identity, identity_changes
 from memfit.errors import MemfitError
 from memfit.memory.model_shape import model_shape, trainable_params
-from memfit.memory.single_device import optimizer_state_bytes
+from memfit.memory.model_states import optimizer_state_bytes
 from memfit.models.loading import has_weights, load_model_config
 from memfit.units import format_bytes
 

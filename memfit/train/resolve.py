@@ -10,15 +10,15 @@ Each decision is made here, once, in this order:
   micro_batch: auto  the largest micro-batch whose traced estimate (the trainer's own step on fake
                      tensors) fits memory.limit, or the device's free memory less the planner's margin
 
-Every "does it fit" is memory/fits.py's `FitRule`, the rule the planner's search applies. The loop
-builds its engine from `ResolvedRun.cfg` and never plans.
+Every "does it fit" is memory/fits.py's `FitRule`, the rule the planner's search applies. The caller
+passes the `ResolvedRun` to the loop (memfit/train/loop.py: train), which builds its engine from its
+cfg and device and never plans.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
 
 import torch
 
@@ -27,14 +27,15 @@ from memfit.distributed.engine import resolve_device
 from memfit.distributed.launch import world_size_from_env
 from memfit.errors import MemfitError
 from memfit.memory.analytic import analytic_estimate
+from memfit.memory.candidates import config_summary
 from memfit.memory.fits import FitRule, available_bytes, default_margin, largest_that_fits, machine_ram_bytes
 from memfit.memory.model_shape import model_shape
 from memfit.memory.planner import plan, user_fixed_fields
-from memfit.memory.search import config_summary
 from memfit.memory.single_device import strategy_host_bytes
 from memfit.memory.trace import trace_estimate
 from memfit.models.loading import load_model_config
 from memfit.strategies.table import STEP_STRATEGIES
+from memfit.train.resolved_run import ResolvedRun
 from memfit.units import format_bytes, parse_bytes
 
 log = logging.getLogger(__name__)
@@ -43,15 +44,6 @@ AUTO_MAX_MICRO_BATCH = 1024  # search ceiling for micro_batch: auto
 # what `budget:` keeps as the user set it; the search chooses the rest
 KEPT_UNDER_BUDGET = frozenset({"method", "quant.scheme", "distributed.sharding", "distributed.offload",
                                "distributed.tensor_parallel", "distributed.pipeline_parallel"})
-
-
-@dataclass(frozen=True)
-class ResolvedRun:
-    cfg: RunConfig               # the run that trains: budget cleared, micro_batch a number
-    device: torch.device         # where this process trains
-    host_ram_bytes: int          # this machine's RAM: the host-RAM check's and the budget search's limit
-    budget_bytes: int | None     # what `budget:` came to (None: no budget)
-    notes: tuple[str, ...] = ()  # what resolving chose, as logged
 
 
 def resolve_run(cfg: RunConfig) -> ResolvedRun:

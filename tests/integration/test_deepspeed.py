@@ -82,6 +82,7 @@ import json, os, sys, torch.distributed as dist
 from memfit.config import load_config
 from memfit.distributed import deepspeed_engine
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 
 def recording_initialize(model, optimizer_factory, cfg, ctx, device, _initialize=deepspeed_engine.initialize):
@@ -101,7 +102,7 @@ dist.init_process_group("gloo")  # one group for every run; train() leaves a gro
 config, out = sys.argv[1], sys.argv[2]
 for line in open(os.path.join(out, "runs.txt")):
     name, *overrides = line.split()
-    train(load_config(config, [f"output_dir={os.path.join(out, name)}", *overrides]), progress=False)
+    train(resolve_run(load_config(config, [f"output_dir={os.path.join(out, name)}", *overrides])), progress=False)
 dist.barrier(); dist.destroy_process_group(); os._exit(0)
 '''
 
@@ -137,6 +138,7 @@ def runs(tmp_path_factory):
     from memfit.models.loading import build_model
     from memfit.models.tokenizer import byte_tokenizer
     from memfit.train.loop import train
+    from memfit.train.resolve import resolve_run
 
     root = tmp_path_factory.mktemp("deepspeed")
     rng = random.Random(0)
@@ -163,8 +165,8 @@ def runs(tmp_path_factory):
     (root / "worker.py").write_text(WORKER)
 
     for name, overrides in SINGLE.items():
-        train(load_config(config, [f"output_dir={root / name}", *(o.format(saved=saved) for o in overrides)]),
-              progress=False)
+        cfg = load_config(config, [f"output_dir={root / name}", *(o.format(saved=saved) for o in overrides)])
+        train(resolve_run(cfg), progress=False)
     result = _torchrun(str(root / "worker.py"), str(config), str(root))
     return root, config, paths, result
 

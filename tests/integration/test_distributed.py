@@ -51,6 +51,7 @@ import json, os, sys, torch.distributed as dist
 import memfit.distributed.engine as engine
 from memfit.config import load_config
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 
 def recording_shard(model, optimizer_factory, cfg, ctx, device, _shard=engine.shard):
@@ -70,7 +71,7 @@ dist.init_process_group("gloo")  # one group for every run; train() leaves a gro
 config, out = sys.argv[1], sys.argv[2]
 for line in open(os.path.join(out, "engines.txt")):
     name, *overrides = line.split()
-    train(load_config(config, [f"output_dir={os.path.join(out, name)}", *overrides]), progress=False)
+    train(resolve_run(load_config(config, [f"output_dir={os.path.join(out, name)}", *overrides])), progress=False)
 dist.barrier(); dist.destroy_process_group(); os._exit(0)
 '''
 
@@ -112,6 +113,7 @@ def _rank_categories(run_dir: Path) -> list[dict[str, int]]:
 def runs(tmp_path_factory):
     """Write data and config, run the single-process reference and every engine once."""
     from memfit.train.loop import train
+    from memfit.train.resolve import resolve_run
 
     root = tmp_path_factory.mktemp("distributed")
     rng = random.Random(0)
@@ -127,7 +129,7 @@ def runs(tmp_path_factory):
     (root / "engines.txt").write_text("".join(f"{name} {' '.join(o)}\n" for name, o in ENGINES.items()))
     (root / "worker.py").write_text(WORKER)
 
-    single = train(load_config(config, [f"output_dir={root / 'single'}"]), progress=False)
+    single = train(resolve_run(load_config(config, [f"output_dir={root / 'single'}"])), progress=False)
     engines = _torchrun(str(root / "worker.py"), str(config), str(root))
     return root, config, single, engines
 
@@ -215,11 +217,12 @@ def test_ranks_but_0_never_build_the_full_model(runs, name):
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_planner_estimate_within_5_percent(runs, name):
-    from memfit.memory.distributed_estimate import rank_estimate
+    """The estimate `memfit plan --gpus 2` gives (analytic_estimate's per-rank branch) against each rank's tracker."""
+    from memfit.memory.analytic import analytic_estimate
 
     root, config, *_ = runs
     cfg = load_config(config, [f"output_dir={root / name}", *ENGINES[name]])
-    estimate = rank_estimate(cfg, gpus=2, device="cpu").peak_allocated_bytes
+    estimate = analytic_estimate(cfg, device="cpu", gpus=2).peak_allocated_bytes
     measured = max(_rank_peaks(root / name))
     assert abs(estimate - measured) <= ESTIMATE_TOLERANCE * measured, (name, estimate, measured)
 
@@ -292,13 +295,15 @@ def test_lora_on_fsdp2_ranks_saves_the_gathered_frozen_base(runs, tmp_path):
     from safetensors.torch import load_file
 
     from memfit.train.loop import train
+    from memfit.train.resolve import resolve_run
 
     _, config, _, _ = runs
     out, reference = tmp_path / "fsdp_lora", tmp_path / "single_lora"
     sharded = _torchrun("-m", "memfit", "train", str(config), f"output_dir={out}", "distributed.sharding=zero3",
                         "method=lora", "batch.micro_batch=1", "max_steps=1", "--no-progress")
     assert sharded.returncode == 0, sharded.stderr[-4000:]
-    single = train(load_config(config, [f"output_dir={reference}", "method=lora", "max_steps=1"]), progress=False)
+    single_cfg = load_config(config, [f"output_dir={reference}", "method=lora", "max_steps=1"])
+    single = train(resolve_run(single_cfg), progress=False)
 
     base, expected = load_file(out / "base_model" / "model.safetensors"), load_file(reference / "base_model" / "model.safetensors")
     assert sorted(base) == sorted(expected)

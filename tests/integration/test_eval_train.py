@@ -15,6 +15,7 @@ from memfit.data.batching import is_held_out
 from memfit.data.loader import build_batch_stream, eval_batches
 from memfit.models.loading import load_tokenizer
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 
 def test_held_out_examples_never_reach_the_training_stream(tiny_config):
@@ -33,7 +34,7 @@ def test_held_out_examples_never_reach_the_training_stream(tiny_config):
 def test_eval_lines_scalars_and_best_weights(tiny_config):
     cfg = tiny_config(**{"eval.fraction": 0.2, "eval.every": 10, "eval.save_best": "true",
                          "report_to": "[tensorboard]", "max_steps": 20})
-    result = train(cfg, progress=False)
+    result = train(resolve_run(cfg), progress=False)
     out, phases = result.output_dir, result.report.measured_phase_peaks
     assert {"forward", "backward", "optimizer", "eval"} <= set(phases)
     assert max(phases.values()) == result.report.measured_peak_bytes  # the step's peak falls inside a phase

@@ -12,6 +12,7 @@ from memfit.errors import MemfitError
 from memfit.generate import generate, render_prompt
 from memfit.models.tokenizer import byte_tokenizer
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 RECORD = {"instruction": "Reverse the word.", "input": "cherry", "output": "yrrehc"}
 
@@ -37,7 +38,7 @@ def test_a_run_that_memorised_one_record_answers_it(tiny_config, one_record, met
     extra = {"lora.rank": 16, "lr": 2e-2} if method == "lora" else {}
     cfg = tiny_config(**{"data.path": str(one_record), "data.format": "alpaca", "data.limit": 1,
                          "micro_batch": 1, "max_steps": 80, "method": method, **extra})
-    out = train(cfg, progress=False).output_dir
+    out = train(resolve_run(cfg), progress=False).output_dir
     assert generate(out, RECORD["instruction"], max_new_tokens=12, context=RECORD["input"]) == RECORD["output"]
     assert main(["generate", str(out), RECORD["instruction"], "--input", RECORD["input"],
                  "--max-new-tokens", "12"]) == 0

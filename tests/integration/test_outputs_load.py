@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from memfit.distributed.engine import Engine
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 FAST = {"max_steps": 2, "data.limit": 16, "save_every": 0, "lr": 1e-2}
 IDS = torch.randint(0, 256, (2, 24), generator=torch.Generator().manual_seed(5))
@@ -37,7 +38,7 @@ def trained_logits(monkeypatch):
 
 
 def test_a_full_run_loads_with_transformers_and_gives_the_trained_logits(tiny_config, trained_logits):
-    out = train(tiny_config(**FAST), progress=False).output_dir
+    out = train(resolve_run(tiny_config(**FAST)), progress=False).output_dir
     assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json"} <= {
         p.name for p in out.iterdir()}
     loaded = AutoModelForCausalLM.from_pretrained(out)
@@ -47,7 +48,7 @@ def test_a_full_run_loads_with_transformers_and_gives_the_trained_logits(tiny_co
 
 
 def test_a_lora_run_loads_with_peft_on_its_base_and_gives_the_trained_logits(tiny_config, trained_logits):
-    out = train(tiny_config(method="lora", **FAST), progress=False).output_dir
+    out = train(resolve_run(tiny_config(method="lora", **FAST)), progress=False).output_dir
     assert {"adapter_config.json", "adapter_model.safetensors"} <= {p.name for p in out.iterdir()}
     base = AutoModelForCausalLM.from_pretrained(out / "base_model")  # the random-init preset's base, saved beside
     adapted = PeftModel.from_pretrained(base, out)

@@ -12,6 +12,7 @@ import pytest
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 
 def test_table_has_units_and_every_named_line(capsys):
@@ -38,7 +39,7 @@ def test_json_write_config_and_train_one_step(tmp_path, capsys):
     assert recommendation is not None
     cfg = load_config(path, [f"output_dir={tmp_path / 'run'}", "max_steps=1", "data.limit=16", "device=cpu"])
     assert cfg.method == recommendation["method"] and cfg.batch.micro_batch == recommendation["batch"]["micro_batch"]
-    run = train(cfg, progress=False)
+    run = train(resolve_run(cfg), progress=False)
     assert len(run.losses) == 1 and run.losses[0] > 0
 
 
@@ -78,7 +79,7 @@ def test_train_with_a_budget_lets_the_planner_choose(tmp_path):
     cfg = load_config(None, overrides)
     config = load_preset_config("memfit/tiny-llama")
     assert device_total_bytes(analytic_estimate(cfg, config, "cpu")) > 40 * 2**20  # as configured: too big
-    run = train(cfg, progress=False)
+    run = train(resolve_run(cfg), progress=False)
     chosen = load_config(tmp_path / "run" / "run_config.yaml")
     assert chosen.budget is None and chosen != cfg.updated({"budget": None})
     assert device_total_bytes(analytic_estimate(chosen, config, "cpu")) <= 40 * 2**20

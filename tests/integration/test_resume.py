@@ -26,6 +26,7 @@ from memfit.errors import MemfitError
 from memfit.checkpoint import PAUSE_ENV, checkpoint_dirs, verify
 from memfit.step import training_step
 from memfit.train.signals import TrainingStopped
+from memfit.train.resolve import resolve_run
 
 REPO = Path(__file__).resolve().parents[2]
 REAL_STEP = training_step  # the loop runs it through memfit.step.tracked_steps
@@ -102,20 +103,20 @@ class Recorder:
 def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
     settings = run_settings(tmp_path)
     straight = Recorder(monkeypatch)
-    reference = loop.train(config(settings, tmp_path / "reference")[0], progress=False)
+    reference = loop.train(resolve_run(config(settings, tmp_path / "reference")[0]), progress=False)
 
     interrupted = Recorder(monkeypatch, signal_at=7)
     cfg, _ = config(settings, tmp_path / "run")
     with pytest.raises(TrainingStopped, match="SIGTERM received; checkpoint of step 7 saved") as stopped:
-        loop.train(cfg, progress=False)
+        loop.train(resolve_run(cfg), progress=False)
     assert stopped.value.exit_status == 128 + signal.SIGTERM
     assert [p.name for p in checkpoint_dirs(tmp_path / "run" / "checkpoints")] == ["step-00000007", "step-00000006"]
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # handler restored after the run
 
     with pytest.raises(MemfitError, match="already holds a run"):  # without resume the folder is refused
-        loop.train(cfg, progress=False)
+        loop.train(resolve_run(cfg), progress=False)
     resumed_steps = Recorder(monkeypatch)
-    resumed = loop.train(config(settings, tmp_path / "run", "resume=true")[0], progress=False)
+    resumed = loop.train(resolve_run(config(settings, tmp_path / "run", "resume=true")[0]), progress=False)
 
     assert resumed.losses == reference.losses  # bitwise, the 7 steps before the stop included
     assert [m["step"] for m in metrics(tmp_path / "run")] == list(range(1, 13))  # appended, no duplicates
@@ -133,18 +134,18 @@ def test_sigterm_then_resume_matches_uninterrupted_run(tmp_path, monkeypatch):
 def test_resume_refuses_a_different_run_and_a_contradiction(tmp_path):
     settings = run_settings(tmp_path, max_steps=2)
     cfg, _ = config(settings, tmp_path / "run")
-    loop.train(cfg, progress=False)
+    loop.train(resolve_run(cfg), progress=False)
     before = {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()}
     with pytest.raises(MemfitError, match=r"describes a different run \(data.seq_len: 48 there, 64 now\)"):
-        loop.train(config(settings, tmp_path / "run", "resume=true", "data.seq_len=64")[0], progress=False)
+        loop.train(resolve_run(config(settings, tmp_path / "run", "resume=true", "data.seq_len=64")[0]), progress=False)
     with pytest.raises(MemfitError, match="set only one"):
-        loop.train(config(settings, tmp_path / "run", "resume=true", "overwrite=true")[0], progress=False)
+        loop.train(resolve_run(config(settings, tmp_path / "run", "resume=true", "overwrite=true")[0]), progress=False)
     assert {p: p.read_bytes() for p in (tmp_path / "run").rglob("*") if p.is_file()} == before
 
 
 def test_nonfinite_step_is_skipped_and_counted(tmp_path, monkeypatch):
     recorder = Recorder(monkeypatch, nan_steps={3})
-    result = loop.train(config(run_settings(tmp_path, max_steps=5), tmp_path / "run")[0], progress=False)
+    result = loop.train(resolve_run(config(run_settings(tmp_path, max_steps=5), tmp_path / "run")[0]), progress=False)
     rows = metrics(tmp_path / "run")
     assert [r["nonfinite"] for r in rows] == [False, False, True, False, False]
     assert rows[2]["skipped"] and result.losses[2] != result.losses[2]  # NaN recorded, update skipped
@@ -159,7 +160,7 @@ def test_nonfinite_streak_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_p
     with pytest.raises(MemfitError, match=r"step 7: loss or gradients were NaN/inf for 3 steps in a row "
                                           r"\(steps 5-7, optim.max_nonfinite_steps=3\); stopped. Last good checkpoint: "
                                           r".*step-00000004"):
-        loop.train(cfg, progress=False)
+        loop.train(resolve_run(cfg), progress=False)
     good = checkpoint_dirs(tmp_path / "run" / "checkpoints")
     assert [p.name for p in good] == ["step-00000004", "step-00000002"] and verify(good[0]) is None
     assert all(torch.isfinite(w).all() for w in load_file(good[0] / "model.safetensors").values())
@@ -200,7 +201,7 @@ def test_kill_9_at_random_points_then_resume_gives_the_uninterrupted_weights(tmp
     write (MEMFIT_CHECKPOINT_PAUSE_S holds the process between the temporary folder and the rename),
     one round damages the newest checkpoint by hand, the others land at seeded random times."""
     settings = run_settings(tmp_path, max_steps=24)
-    reference = loop.train(config(settings, tmp_path / "reference")[0], progress=False)
+    reference = loop.train(resolve_run(config(settings, tmp_path / "reference")[0]), progress=False)
     _, config_path = config(settings, tmp_path / "run")
     out, rng, kills = tmp_path / "run", random.Random(2026), 0
     metrics_file = out / "metrics.jsonl"

@@ -16,6 +16,7 @@ from memfit.errors import MemfitError
 from memfit.step import training_step
 from memfit.train import loop
 from memfit.train.output_dir import DATA_IDENTITY_FILE, RunAlreadyFinished
+from memfit.train.resolve import resolve_run
 
 REAL_STEP = training_step  # the loop runs it through memfit.step.tracked_steps
 
@@ -36,7 +37,7 @@ def _overrides(tmp: Path, *extra: str) -> list[str]:
 
 
 def _train(tmp: Path, *extra: str):
-    return loop.train(load_config(None, _overrides(tmp, *extra)), progress=False)
+    return loop.train(resolve_run(load_config(None, _overrides(tmp, *extra))), progress=False)
 
 
 def _metrics(tmp: Path) -> list[dict]:

@@ -17,6 +17,7 @@ import yaml
 from memfit.config import load_config
 from memfit.train import loop
 from memfit.train.output_dir import RUN_INFO
+from memfit.train.resolve import resolve_run
 
 REPO = Path(__file__).resolve().parents[2]
 SETTINGS = {"model": {"name": "memfit/tiny-llama", "init": "random"}, "precision": "fp32",
@@ -71,7 +72,7 @@ def test_two_fresh_runs_into_one_folder_one_trains_the_other_is_refused(tmp_path
 @pytest.mark.slow
 def test_two_resumes_of_one_run_one_trains_the_other_is_refused(tmp_path):
     config, out = _config(tmp_path), tmp_path / "run"
-    loop.train(load_config(config, [f"output_dir={out}", "max_steps=2"]), progress=False)
+    loop.train(resolve_run(load_config(config, [f"output_dir={out}", "max_steps=2"])), progress=False)
     _race(config, out, "resume=true")
     assert _steps(out) == [1, 2, 3, 4]
 
@@ -88,6 +89,6 @@ def test_a_run_killed_with_sigkill_does_not_block_the_next(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     assert (out / RUN_INFO).exists()  # left behind: the OS released the lock, the file stays
-    result = loop.train(load_config(config, [f"output_dir={out}", "resume=true"]), progress=False)
+    result = loop.train(resolve_run(load_config(config, [f"output_dir={out}", "resume=true"])), progress=False)
     assert len(result.losses) == 4 and _steps(out) == [1, 2, 3, 4]
     assert not (out / RUN_INFO).exists()

@@ -22,7 +22,7 @@ TABLE_FILE = "memfit/strategies/table.py"
 # Optimizer names written outside their entry as a value a user could write, never as a rule about
 # that optimizer: the config's default, the DeepSpeed check that optim.name was left at that default,
 # and a variant the benchmark runs.
-NAMED_AS_A_VALUE = {("adamw", "memfit/config/__init__.py"), ("adamw", "memfit/config/deepspeed.py"),
+NAMED_AS_A_VALUE = {("adamw", "memfit/config/schema.py"), ("adamw", "memfit/config/deepspeed.py"),
                     ("adamw-8bit", "memfit/benchmark.py")}
 
 
@@ -115,3 +115,17 @@ def test_the_doc_tells_no_history():
     told = [phrase for phrase in ("used to", "no longer", "previously", "moved from", "before this")
             if phrase in DOC.lower()]
     assert told == []
+
+
+def test_a_model_family_is_one_module_registered_in_the_table_and_never_named_in_a_comparison():
+    from memfit.memory import families
+
+    folder = ROOT / "memfit" / "memory" / "families"
+    modules = {path.stem for path in folder.glob("*.py") if path.name != "__init__.py"}
+    assert modules == {module.__name__.rsplit(".", 1)[-1] for module in families.FAMILIES.values()}
+    names = set(families.FAMILIES)
+    compared = [f"{path}:{node.lineno}" for path, tree in _python_files().items() if path.startswith("memfit/memory/")
+                for node in ast.walk(tree) if isinstance(node, ast.Compare)
+                and any(isinstance(side, ast.Constant) and side.value in names for side in [node.left, *node.comparators])]
+    assert compared == []
+    assert "family ==" not in "".join((ROOT / path).read_text() for path in _python_files() if path.startswith("memfit/memory/"))

@@ -17,6 +17,7 @@ from memfit.config import load_config
 from memfit.memory.measure import measure_peak, tracked_step_peaks
 from memfit.memory.trace import trace_estimate
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ def test_every_caller_records_the_same_peak(tmp_path, long_texts, extra):
     cfg = load_config(None, [f"data.path={long_texts}", "data.format=text", "max_steps=2", "device=cpu",
                              "warmup_steps=0", f"output_dir={tmp_path / 'run'}", "batch.micro_batch=2",
                              "data.seq_len=64", "optim.max_grad_norm=1.0", *extra])
-    trainer = train(cfg, progress=False).report
+    trainer = train(resolve_run(cfg), progress=False).report
     measured, by_category = measure_peak(cfg)
     traced = trace_estimate(cfg, device="cpu", padded=False)
     assert measured == trainer.measured_peak_bytes

@@ -6,14 +6,16 @@ import json
 
 import pytest
 
+from memfit.build import apply_configured_method
 from memfit.config import load_config
-from memfit.memory import single_device as terms
+from memfit.memory import model_states as terms
+from memfit.memory.activations import weight_copies_bytes
 from memfit.memory.analytic import analytic_estimate
 from memfit.memory.measure import measure_peak
 from memfit.memory.model_shape import model_shape
 from memfit.models.loading import build_model, load_model_config
 from memfit.models.presets import load_preset_config
-from memfit.strategies.adapters import apply_method
+from memfit.strategies.quantization import quant_entry
 
 GB = 10**9
 
@@ -82,7 +84,7 @@ def test_model_states_equal_tracked_bytes_exactly():
 @pytest.mark.parametrize("targets", [["q_proj", "v_proj"], "all-linear"])
 def test_lora_parameter_count_matches_peft(targets):
     cfg = load_config(None, ["method=lora", "lora.rank=4"]).updated({"lora.targets": targets})
-    model = apply_method(build_model(cfg.model), cfg)
+    model = apply_configured_method(build_model(cfg.model), cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     shape = model_shape(load_model_config(cfg.model)[0])
     assert terms.trainable_params(shape, cfg) == trainable
@@ -119,13 +121,13 @@ def test_mixed_precision_adamw_is_16_bytes_per_parameter_before_activations():
     states = (terms.weights_bytes(shape, cfg) + terms.gradient_bytes(shape, cfg)
               + terms.optimizer_state_bytes(shape, cfg))
     assert states == 16 * shape.total_params
-    copies = terms._weight_copies_bytes(shape, cfg)
+    copies = weight_copies_bytes(shape, cfg)
     assert 1.9 * shape.total_params <= copies <= 2.0 * shape.total_params
 
 
 def test_qlora_weights_use_4_bit_blocks():
-    assert terms.quantized_bytes_per_param("nf4") == pytest.approx(0.5625)
-    assert terms.quantized_bytes_per_param("nf4-dq") == pytest.approx(0.5 + 1 / 64 + 4 / 16384)
+    assert quant_entry("nf4").bytes_per_param == pytest.approx(0.5625)
+    assert quant_entry("nf4-dq").bytes_per_param == pytest.approx(0.5 + 1 / 64 + 4 / 16384)
     shape = model_shape(load_preset_config("meta-llama/Llama-2-7b-hf"))
     qlora = load_config(None, ["method=qlora", "precision=bf16-pure", "lora.rank=8"])
     weights = terms.weights_bytes(shape, qlora)

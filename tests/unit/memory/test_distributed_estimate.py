@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 
 from memfit.config import load_config
+from memfit.memory.analytic import analytic_estimate
+from memfit.memory.distributed_estimate import (CPU_OPTIMIZER_SCRATCH_TENSORS, optimizer_scratch, rank_states,
+                                               zero_model_states_like_deepspeed)
 from memfit.memory.model_shape import model_shape
-from memfit.memory.distributed_estimate import rank_estimate, rank_states, zero_model_states_like_deepspeed
+from memfit.memory.single_device import cpu_ram_bytes
 from memfit.models.loading import load_model_config
 
 
@@ -35,6 +38,27 @@ def test_offload_moves_shards_to_host_only_on_cuda(shape):
     assert on_cpu.host_bytes == 0 and on_cpu.weights > 0
 
 
+@pytest.mark.parametrize("sharding", ["zero2", "zero3"])
+def test_offloaded_host_ram_is_each_ranks_shard_of_every_state(shape, sharding):
+    """FSDP2 holds weights, gradients and states sharded at rest (zero2 too): each rank offloads 1/N of them."""
+    one = _states(shape, gpus=1)
+    cfg = load_config(None, [f"distributed.sharding={sharding}", "distributed.offload=params"])
+    shard = sum(-(-state // 4) for state in (one.weights, one.gradients, one.optimizer_states))
+    assert _states(shape, f"distributed.sharding={sharding}", "distributed.offload=params").host_bytes == shard
+    estimate = analytic_estimate(cfg, load_model_config(cfg.model)[0], device="cuda", gpus=4)
+    base = cpu_ram_bytes(shape, cfg, "cuda")  # one process: runtime, the loading copy, data
+    # per node: every rank's runtime, data and offloaded shard; one loading copy (rank 0's)
+    assert estimate.cpu_ram_bytes == 4 * (base["runtime"] + base["data"]) + base["model_load"] + 4 * shard
+
+
+@pytest.mark.parametrize("gpus", [2, 4])
+def test_the_cpu_optimizer_scratch_of_fsdp2_is_a_shard_of_the_largest_tensor(shape, gpus):
+    cfg = load_config(None, ["distributed.sharding=zero3"])
+    states = rank_states(shape, cfg, gpus, "cpu")
+    largest = -(-shape.largest_tensor_params // gpus) * 4
+    assert optimizer_scratch(shape, cfg, states, "cpu", gpus) == CPU_OPTIMIZER_SCRATCH_TENSORS * largest
+
+
 def test_tensor_and_pipeline_parallel_split_the_weights(shape):
     one = _states(shape, gpus=1)
     tp = _states(shape, "distributed.tensor_parallel=2", "optim.max_grad_norm=null", gpus=2)
@@ -46,7 +70,7 @@ def test_tensor_and_pipeline_parallel_split_the_weights(shape):
 
 
 def test_per_rank_peak_falls_with_the_stage():
-    peaks = [rank_estimate(load_config(None, [f"distributed.sharding={s}"]), gpus=4, device="cuda").peak_allocated_bytes
+    peaks = [analytic_estimate(load_config(None, [f"distributed.sharding={s}"]), gpus=4, device="cuda").peak_allocated_bytes
              for s in ("ddp", "zero1", "zero2", "zero3")]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
 
@@ -77,5 +101,5 @@ def test_plan_cli_reports_the_per_rank_estimate(capsys):
         assert main(["plan", "memfit/tiny-llama", "--gpus", "2", *flags, "--json"]) == 0
         out = capsys.readouterr().out
         plan = json.loads(out[out.index("{"):])
-        expected = rank_estimate(load_config(None, overrides), gpus=2, device="cuda")
+        expected = analytic_estimate(load_config(None, overrides), gpus=2, device="cuda")
         assert plan["estimate"]["peak_allocated_bytes"] == expected.peak_allocated_bytes, flags

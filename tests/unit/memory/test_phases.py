@@ -10,7 +10,8 @@ import pytest
 from memfit.config import load_config
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
 from memfit.memory.model_shape import model_shape
-from memfit.memory.single_device import eval_bytes, weights_bytes
+from memfit.memory.model_states import weights_bytes
+from memfit.memory.single_device import eval_bytes
 from memfit.memory.trace import trace_estimate
 from memfit.models.loading import load_model_config
 from memfit.models.presets import load_preset_config

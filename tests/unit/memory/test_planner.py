@@ -8,11 +8,12 @@ from memfit.config import load_config
 from memfit.errors import MemfitError
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
 from memfit.memory.model_shape import model_shape
-from memfit.memory.single_device import StrategyTerms, optimizer_state_bytes
+from memfit.memory.model_states import optimizer_state_bytes
+from memfit.memory.single_device import StrategyTerms
 from memfit.memory.costs import step_time
 from memfit.memory.gpus import find_gpu
 from memfit.memory.planner import plan
-from memfit.memory.search import TIE, fidelity_rank
+from memfit.memory.candidates import TIE, fidelity_rank
 from memfit.models.presets import load_preset_config
 from memfit.strategies.optimizers import OPTIMIZER_ENTRIES
 
@@ -194,7 +195,7 @@ def test_estimate_and_speed_model_read_one_optimizer_table():
 
 @pytest.mark.parametrize("low,high", [(1, 1), (1, 7), (1, 4096), (8, 131072), (3, 100)])
 def test_largest_that_fits_finds_the_edge_of_any_monotone_rule(low, high):
-    from memfit.memory.search import largest_that_fits
+    from memfit.memory.fits import largest_that_fits
 
     for answer in sorted({0, low - 1, low, low + 1, (low + high) // 2, high - 1, high, high + 5}):
         calls = []

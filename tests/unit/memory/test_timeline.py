@@ -8,6 +8,7 @@ import torch
 from memfit.cli import main
 from memfit.memory.tracker import CATEGORIES, TIMELINE_POINTS, MemoryTracker
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 
 def _total(sample: dict) -> int:
@@ -37,7 +38,7 @@ def test_the_timeline_keeps_the_highest_step_and_its_peak_within_the_point_limit
 
 
 def test_a_run_writes_its_timeline_and_memfit_report_draws_it(tiny_config, tmp_path, capsys):
-    result = train(tiny_config(max_steps=2, **{"data.limit": 32}), progress=False)
+    result = train(resolve_run(tiny_config(max_steps=2, **{"data.limit": 32})), progress=False)
     record = json.loads((result.output_dir / "memory_timeline.json").read_text())
     assert max(map(_total, record["samples"])) == result.report.measured_peak_bytes
     assert set(record["estimated_phase_peaks"]) >= {"forward", "backward", "optimizer"}

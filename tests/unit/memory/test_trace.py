@@ -19,6 +19,7 @@ from memfit.memory.trace import CUDA_BLOCK_BYTES, cuda_block_bytes, trace_estima
 from memfit.memory.tracker import CATEGORIES
 from memfit.models.loading import load_model_config
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 # precision, optimizer, checkpointing, micro_batch, seq_len (+ extra overrides): 22 configurations.
 MATRIX = [
@@ -84,7 +85,7 @@ def test_traced_estimate_equals_trainer_measurement(tmp_path, long_texts, precis
     cfg = _config(tmp_path, long_texts, precision=precision, optimizer=optimizer, checkpointing=checkpointing,
                   micro_batch=micro_batch, seq_len=seq_len, **extra)
     estimate = trace_estimate(cfg, device="cpu", padded=False)
-    report = train(cfg, progress=False).report
+    report = train(resolve_run(cfg), progress=False).report
     assert estimate.engine == "traced"
     assert estimate.peak_reserved_bytes == estimate.peak_allocated_bytes  # CPU: no allocator reserve
     assert estimate.overheads == {}
@@ -99,7 +100,7 @@ def test_padded_batches_build_the_attention_mask(tmp_path):
     cfg = _config(tmp_path, data, precision="bf16-mixed", micro_batch=4, seq_len=64, **{"data.limit": 4})
     padded = trace_estimate(cfg, device="cpu")
     unpadded = trace_estimate(cfg, device="cpu", padded=False)
-    report = train(cfg, progress=False).report
+    report = train(resolve_run(cfg), progress=False).report
     _assert_matches(padded, report)
     # The trainer puts the same traced estimate (padded by default here) beside its measurement.
     assert report.estimated_peak_bytes == padded.peak_allocated_bytes
@@ -111,7 +112,7 @@ def test_padded_batches_build_the_attention_mask(tmp_path):
 def test_activation_bytes_fall_with_checkpointing(tmp_path, long_texts):
     def run(checkpointing):
         cfg = _config(tmp_path / checkpointing, long_texts, checkpointing=checkpointing, micro_batch=4, seq_len=128)
-        return trace_estimate(cfg, device="cpu", padded=False), train(cfg, progress=False).report
+        return trace_estimate(cfg, device="cpu", padded=False), train(resolve_run(cfg), progress=False).report
 
     (none_est, none_real), (full_est, full_real) = run("none"), run("full")
     assert full_real.measured_by_category["activations"] < 0.5 * none_real.measured_by_category["activations"]

@@ -156,7 +156,7 @@ def test_a_damaged_safetensors_file_is_named(tmp_path, damage):
 def test_a_quantized_layer_filled_from_another_shape_is_refused(tmp_path):
     """bitsandbytes quantizes whatever tensor it is given, so transformers' own shape check misses it."""
     from memfit.config import load_config
-    from memfit.strategies.quantization import quantized_loading
+    from memfit.build import configured_quantized_loading
 
     pytest.importorskip("bitsandbytes")
     _save(tmp_path / "m")
@@ -164,7 +164,7 @@ def test_a_quantized_layer_filled_from_another_shape_is_refused(tmp_path):
     cfg = load_config(None, [f"model.name={tmp_path / 'm'}", "model.init=pretrained", "method=lora", "quant=int8",
                              "quant.backend=bitsandbytes", "model.new_weights=[model.layers.*]"])
     with pytest.raises(WeightsMismatchError, match=r"is 64x32 in the checkpoint but 96x32 in the model \(quantized"):
-        build_model(cfg.model, load_kwargs=quantized_loading(cfg))
+        build_model(cfg.model, load_kwargs=configured_quantized_loading(cfg))
 
 
 def test_a_hub_checkpoint_is_checked_too(tmp_path, monkeypatch):

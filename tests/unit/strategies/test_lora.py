@@ -9,11 +9,11 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from memfit.build import apply_configured_method
 from memfit.errors import MemfitError
 from memfit.memory.tracker import NullTracker
 from memfit.models.loading import build_model
 from memfit.models.merge import save_trained_base
-from memfit.strategies.adapters import apply_method
 from memfit.strategies.optimizers import build_optimizer
 from memfit.strategies.precision import make_precision
 from memfit.step import training_step
@@ -24,7 +24,7 @@ def build(cfg, load_kwargs=None):
     torch.manual_seed(cfg.seed)
     precision = make_precision(cfg.precision, torch.device("cpu"))
     model = build_model(cfg.model, cfg.memory.attention, dtype=precision.weight_dtype, load_kwargs=load_kwargs)
-    return apply_method(model, cfg, "cpu").train()
+    return apply_configured_method(model, cfg, "cpu").train()
 
 
 def fixed_batch(batch: int = 4, seq: int = 32, seed: int = 1) -> dict[str, torch.Tensor]:

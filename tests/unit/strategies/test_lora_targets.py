@@ -7,10 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from memfit.build import apply_configured_method
 from memfit.cli import main
 from memfit.memory.planner import plan
 from memfit.models.loading import build_model, load_model_config
-from memfit.strategies.adapters import LoraTargetError, apply_method, check_lora_targets_on_meta
+from memfit.strategies.adapters import LoraTargetError, check_lora_targets_on_meta
 
 NAMES = "down_proj, embed_tokens, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj"
 
@@ -25,7 +26,7 @@ def tiny_model(cfg):
 def test_unknown_targets_are_refused_with_the_names_the_model_has(tiny_config, targets, unknown):
     cfg = tiny_config(method="lora", **{"lora.targets": targets})
     with pytest.raises(LoraTargetError) as error:
-        apply_method(tiny_model(cfg), cfg, "cpu")
+        apply_configured_method(tiny_model(cfg), cfg, "cpu")
     assert str(error.value) == (f"lora.targets: {unknown}: no such module in LlamaForCausalLM; its adaptable module "
                                 f"names are {NAMES} (or set lora.targets: all-linear)")
 
@@ -34,7 +35,7 @@ def test_unknown_targets_are_refused_with_the_names_the_model_has(tiny_config, t
 @pytest.mark.parametrize("targets", ["[q_proj,v_proj]", "[self_attn.q_proj]", "[lm_head,embed_tokens]", "all-linear"])
 def test_names_peft_matches_are_accepted(tiny_config, targets):
     cfg = tiny_config(method="lora", **{"lora.targets": targets})
-    model = apply_method(tiny_model(cfg), cfg, "cpu")
+    model = apply_configured_method(tiny_model(cfg), cfg, "cpu")
     assert any("lora_A" in name for name, _ in model.named_parameters())
 
 
@@ -43,7 +44,9 @@ def test_the_planner_refuses_the_same_names(tiny_config):
     with pytest.raises(LoraTargetError, match=f"lora.targets: 'qproj': no such module in LlamaForCausalLM; its "
                                               f"adaptable module names are {NAMES}"):
         plan(cfg.model.name, cfg, device="cpu")
-    check_lora_targets_on_meta(load_model_config(cfg.model)[0], tiny_config(method="lora"))  # the defaults exist
+    defaults = tiny_config(method="lora").lora.targets
+    check_lora_targets_on_meta(load_model_config(cfg.model)[0], method="lora", targets=defaults,
+                               trust_remote_code=False)  # the defaults exist
 
 
 def test_plan_cli_refuses_an_unknown_target(capsys):

@@ -102,10 +102,11 @@ def test_traced_estimate_matches_the_measured_run(tiny_config):
     """trace_estimate (the planner's fake run of training_step) against the tracker on a real run."""
     from memfit.memory.trace import trace_estimate
     from memfit.train.loop import train
+    from memfit.train.resolve import resolve_run
 
     cfg = tiny_config(chunked_loss=True, max_steps=2, micro_batch=4)
     estimate = trace_estimate(cfg, "cpu")
-    measured = train(cfg, progress=False).report.measured_peak_bytes
+    measured = train(resolve_run(cfg), progress=False).report.measured_peak_bytes
     # The trace runs full-length (seq_len) sequences, the worst case; the demo's real batches are
     # shorter, so the estimate is an upper bound (measured here: +24 %).
     assert measured <= estimate.peak_allocated_bytes <= 1.35 * measured

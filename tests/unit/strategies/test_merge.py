@@ -9,12 +9,13 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from memfit.build import configured_quantized_loading
 from memfit.cli import main
 from memfit.config import load_config
 from memfit.models.loading import build_model
 from memfit.models.tokenizer import byte_tokenizer
-from memfit.strategies.quantization import quantized_loading
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 FAST = {"max_steps": 3, "seq_len": 192, "micro_batch": 4, "data.limit": 32, "lr": 1e-2, "save_every": 0,
         "lora.targets": "all-linear"}
@@ -32,7 +33,7 @@ def _logits(model, training: bool = False) -> torch.Tensor:
 def test_merge_true_matches_base_plus_adapter(tiny_config):
     """QLoRA on a random-init preset: base_model/ holds the dequantized base; merged == base + adapter."""
     cfg = tiny_config(method="qlora", merge="true", compute_dtype="fp32", **FAST)
-    out = train(cfg, progress=False).output_dir
+    out = train(resolve_run(cfg), progress=False).output_dir
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str((out / "base_model").resolve())
     merged = AutoModelForCausalLM.from_pretrained(out / "merged")
@@ -56,11 +57,11 @@ def test_cli_merge_dequantizes_a_real_quantized_base(tiny_config, tmp_path, caps
                                  num_attention_heads=4, num_key_value_heads=4)).save_pretrained(tmp_path / "base")
     byte_tokenizer().save_pretrained(tmp_path / "base")  # real weights train only with their own tokenizer
     cfg = tiny_config(method="qlora", quant="nf4", compute_dtype="fp32", model=str(tmp_path / "base"), **FAST)
-    out = train(cfg, progress=False).output_dir
+    out = train(resolve_run(cfg), progress=False).output_dir
     assert not (out / "base_model").exists()
     assert main(["merge", str(out), "--output", str(tmp_path / "merged")]) == 0
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    quantized_base = build_model(cfg.model, cfg.memory.attention, load_kwargs=quantized_loading(cfg))
+    quantized_base = build_model(cfg.model, cfg.memory.attention, load_kwargs=configured_quantized_loading(cfg))
     reference = _logits(PeftModel.from_pretrained(quantized_base, out), training=True)
     torch.testing.assert_close(_logits(merged), reference, rtol=0, atol=1e-3)
     assert main(["merge", str(out), "--output", str(tmp_path / "merged")]) == 2  # never overwrites silently

@@ -10,14 +10,15 @@ import torch
 
 from memfit.cli import PLAN_OPTIONS
 from memfit.config import ConfigError, Optimizer, load_config
+from memfit.memory.candidates import gives_up
 from memfit.memory.costs import MEMORY_EFFICIENCY, step_time
 from memfit.memory.distributed_estimate import optimizer_scratch, rank_states
 from memfit.memory.gpus import find_gpu
 from memfit.memory.model_shape import model_shape, trainable_params
 from memfit.memory.phases import checkpoint_phase
-from memfit.memory.search import _choices, _leanest, gives_up
-from memfit.memory.single_device import (StrategyTerms, gradient_bytes, optimizer_state_bytes, peak_candidates,
-                                         trained_params, weights_bytes)
+from memfit.memory.search_space import inner_choices, leanest_updates
+from memfit.memory.model_states import gradient_bytes, optimizer_state_bytes, trained_params, weights_bytes
+from memfit.memory.single_device import StrategyTerms, peak_candidates
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.presets import load_preset_config
 from memfit.strategies.optimizers import OPTIMIZER_ENTRIES, OPTIMIZERS, TrainedParams, build_optimizer
@@ -67,7 +68,7 @@ def test_the_analytic_terms_read_its_state_and_scratch_bytes(entry):
     if entry.on_dtensor:
         sharded = _cfg(entry, "distributed.sharding=zero3")
         rank = rank_states(shape, sharded, 4)
-        assert optimizer_scratch(shape, sharded, rank, "cuda") == (rank.gradients if entry.foreach_scratch else 0)
+        assert optimizer_scratch(shape, sharded, rank, "cuda", 4) == (rank.gradients if entry.foreach_scratch else 0)
 
 
 @ENTRIES
@@ -83,8 +84,8 @@ def test_the_speed_model_streams_its_states(entry):
 def test_the_search_tries_it_as_the_entry_says(entry):
     cfg = load_config(None, [])
     for device in ("cuda", "cpu"):
-        assert (entry.name in _choices(cfg, device)["optim.name"]) == entry.searched
-    leanest = {update["optim.name"] for update in _leanest(cfg, {"method": "full"}, {}, "cuda")}
+        assert (entry.name in inner_choices(cfg, device)["optim.name"]) == entry.searched
+    leanest = {update["optim.name"] for update in leanest_updates(cfg, {"method": "full"}, {}, "cuda")}
     assert (entry.name in leanest) == entry.lean
     assert (entry.gives_up in gives_up(_cfg(entry))) == bool(entry.gives_up)
 

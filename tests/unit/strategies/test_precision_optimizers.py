@@ -7,6 +7,7 @@ from memfit.errors import MemfitError
 from memfit.strategies.optimizers import OPTIMIZERS, build_optimizer
 from memfit.strategies.precision import make_precision
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 PRECISIONS = ("fp32", "bf16-mixed", "fp16-mixed", "bf16-pure")
 
@@ -21,7 +22,7 @@ def _mean(values):
 def test_loss_falls(tiny_config, precision, optimizer):
     lr = {"sgd": 0.3, "adafactor": 3e-2, "lion": 3e-4, "lion-8bit": 3e-4}.get(optimizer, 3e-3)
     cfg = tiny_config(precision=precision, optimizer=optimizer, lr=lr, max_steps=25, track_memory=False)
-    losses = train(cfg, progress=False).losses
+    losses = train(resolve_run(cfg), progress=False).losses
     assert all(torch.isfinite(torch.tensor(losses)))
     # From ~5.5 nats (uniform over 259 tokens) a working optimizer drops well over 0.4 in 25 steps.
     assert _mean(losses[-5:]) < _mean(losses[:3]) - 0.4, losses
@@ -30,7 +31,7 @@ def test_loss_falls(tiny_config, precision, optimizer):
 @pytest.mark.slow
 def test_torchao_backend_for_8bit_adamw(tiny_config):
     cfg = tiny_config(optimizer="adamw-8bit", optimizer_backend="torchao", max_steps=25, track_memory=False)
-    losses = train(cfg, progress=False).losses
+    losses = train(resolve_run(cfg), progress=False).losses
     assert _mean(losses[-5:]) < _mean(losses[:3]) - 0.4, losses
 
 

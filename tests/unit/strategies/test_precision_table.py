@@ -12,12 +12,14 @@ from memfit.build import build_run
 from memfit.cli import PLAN_OPTIONS
 from memfit.config import Precision, load_config
 from memfit.errors import MemfitError
+from memfit.memory.candidates import gives_up
 from memfit.memory.costs import MEMORY_EFFICIENCY, step_time
 from memfit.memory.gpus import find_gpu
 from memfit.memory.model_shape import model_shape, trainable_params
 from memfit.memory.phases import checkpoint_phase
-from memfit.memory.search import PRECISIONS_SEARCHED, _choices, _leanest, gives_up
-from memfit.memory.single_device import StrategyTerms, gradient_bytes, trained_params, weights_bytes
+from memfit.memory.search_space import PRECISIONS_SEARCHED, inner_choices, leanest_updates
+from memfit.memory.model_states import gradient_bytes, trained_params, weights_bytes
+from memfit.memory.single_device import StrategyTerms
 from memfit.models.presets import load_preset_config
 from memfit.strategies.optimizers import optimizer_entry
 from memfit.strategies.precision import FP32, PRECISION_ENTRIES, PRECISIONS, make_precision
@@ -95,7 +97,7 @@ def test_the_speed_model_reads_its_compute_and_master_dtypes(entry):
 def test_the_search_tries_it_when_searched_and_names_what_it_gives_up(entry):
     base = load_config(None, [f"model={LLAMA8}"])
     for device in ("cuda", "cpu"):
-        assert (entry.name in _choices(base, device)["precision"]) == entry.searched
+        assert (entry.name in inner_choices(base, device)["precision"]) == entry.searched
     cfg = _cfg(entry, "method=full", "optim.name=adamw", "optim.max_grad_norm=1.0")
     assert gives_up(cfg) == ([entry.gives_up] if entry.gives_up else [])
 
@@ -105,4 +107,4 @@ def test_the_leanest_pre_check_takes_the_searched_precision_with_the_fewest_byte
     assert PRECISIONS_SEARCHED == tuple(entry.name for entry in searched)
     leanest = min(searched, key=lambda entry: (entry.weight_bytes, entry.compute_bytes))
     base = load_config(None, [f"model={LLAMA8}"])
-    assert {update["precision"] for update in _leanest(base, {"method": "full"}, {}, "cuda")} == {leanest.name}
+    assert {update["precision"] for update in leanest_updates(base, {"method": "full"}, {}, "cuda")} == {leanest.name}

@@ -14,7 +14,8 @@ from memfit.config import ConfigError, load_config
 from memfit.errors import MissingPackageError
 from memfit.models.merge import save_trained_base
 from memfit.strategies import quantization
-from memfit.strategies.quantization import QuantizationError, is_quantized_linear, quantized_bytes, quantized_loading
+from memfit.build import configured_quantized_loading
+from memfit.strategies.quantization import QuantizationError, is_quantized_linear, quantized_bytes
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_lora import build, is_adapter, logits, snapshot, train_steps  # noqa: E402
@@ -102,7 +103,7 @@ def test_real_weights_load_straight_into_bitsandbytes_layers(tiny_config, tmp_pa
     LlamaForCausalLM(LlamaConfig(vocab_size=259, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                                  num_attention_heads=4, num_key_value_heads=4)).save_pretrained(tmp_path / "base")
     cfg = tiny_config(method="qlora", model=str(tmp_path / "base"))
-    kwargs = quantized_loading(cfg)
+    kwargs = configured_quantized_loading(cfg)
     assert kwargs["quantization_config"].bnb_4bit_use_double_quant
     model = build(cfg, load_kwargs=kwargs)
     layers = [m for m in model.modules() if is_quantized_linear(m)]

@@ -21,7 +21,7 @@ from memfit.cli import main
 from memfit.config import load_config
 from memfit.memory.gpus import DEFAULT_GPU, GPUS
 from memfit.memory.search import search
-from memfit.strategies.quantization import (QuantizationError, quant_shape_problem, quantize_model,
+from memfit.strategies.quantization import (QuantizationError, quantize_model, quantized_base_shape_problem,
                                             torchao_shape_problem)
 
 FOUR_BIT = ("nf4", "nf4-dq", "fp4")
@@ -79,11 +79,10 @@ def test_torchao_refuses_a_layer_it_cannot_block_naming_it_and_changing_nothing(
 def test_shape_rule_follows_the_backend_the_config_gets():
     linears = [("model.layers.0.mlp.down_proj", 33, 7), ("model.layers.0.mlp.up_proj", 7, 64)]
     assert torchao_shape_problem("nf4", linears[1:]) is None
-    torchao = load_config(None, ["method=qlora", "quant.scheme=nf4", "quant.backend=torchao"])
-    assert "model.layers.0.mlp.down_proj is 7 x 33" in quant_shape_problem(torchao, linears)
-    bnb = load_config(None, ["method=qlora", "quant.scheme=nf4", "quant.backend=bitsandbytes"])
-    assert quant_shape_problem(bnb, linears) is None
-    assert quant_shape_problem(load_config(None, ["method=lora"]), linears) is None
+    torchao = quantized_base_shape_problem(method="qlora", scheme="nf4", backend="torchao", linears=linears)
+    assert "model.layers.0.mlp.down_proj is 7 x 33" in torchao
+    assert quantized_base_shape_problem(method="qlora", scheme="nf4", backend="bitsandbytes", linears=linears) is None
+    assert quantized_base_shape_problem(method="lora", scheme="none", backend="auto", linears=linears) is None
 
 
 def _odd_llama() -> LlamaConfig:

@@ -9,7 +9,7 @@ from memfit.config import MemoryConfig, load_config
 from memfit.memory.costs import step_time
 from memfit.memory.gpus import find_gpu
 from memfit.memory.model_shape import model_shape
-from memfit.memory.search import SEARCHED, _choices
+from memfit.memory.search_space import SEARCHED, inner_choices
 from memfit.memory.single_device import StrategyTerms, beyond_basics_terms, peak_candidates
 from memfit.models.loading import load_preset_config
 from memfit.step import step_strategies
@@ -24,9 +24,9 @@ def test_the_entry_makes_its_config_switch_flag_and_search_dimension(strategy):
     assert field.annotation is bool and field.default is False and field.description == strategy.description
     assert PLAN_OPTIONS[strategy.name.replace("_", "-")][0] == strategy.path
     assert strategy.path in SEARCHED
-    assert _choices(load_config(None, []), "cuda")[strategy.path] == strategy.searched
+    assert inner_choices(load_config(None, []), "cuda")[strategy.path] == strategy.searched
     if strategy.cuda_only:
-        assert _choices(load_config(None, []), "cpu")[strategy.path] == (False,)
+        assert inner_choices(load_config(None, []), "cpu")[strategy.path] == (False,)
 
 
 @pytest.mark.parametrize("strategy", STEP_STRATEGIES, ids=lambda s: s.name)
@@ -79,3 +79,24 @@ def test_the_search_offers_no_strategy_the_model_cannot_run():
     assert full.fits, full.reason
     lora = next(f for f in result.search.families if f.name == "LoRA")
     assert not lora.fits and "name none of this model's block linears (c_attn, c_fc, c_proj)" in lora.reason
+
+
+def test_the_rules_get_the_run_settings_as_values_and_refuse_what_the_config_refuses():
+    """memfit/config/step_rules.py gives each switched-on entry's `rules` the run's StepSettings and its own
+    options; the config's validator refuses the same combinations with the same messages."""
+    from memfit.config import ConfigError
+    from memfit.config.step_rules import step_strategy_problems
+
+    on = load_config(None, ["memory.optimizer_in_backward=true", "optim.max_grad_norm=null",
+                            "memory.activation_offload=true", "memory.checkpointing=full"])
+    assert step_strategy_problems(on) == []
+    changes = {"batch.grad_accum": 2, "memory.activation_offload_prefetch": True, "memory.checkpointing": "none"}
+    unchecked = on.model_copy(update={  # the same settings, past the validator
+        "batch": on.batch.model_copy(update={"grad_accum": 2}),
+        "memory": on.memory.model_copy(update={"activation_offload_prefetch": True, "checkpointing": "none"})})
+    problems = step_strategy_problems(unchecked)
+    assert [p.split(" ")[0] for p in problems] == ["memory.optimizer_in_backward:", "memory.activation_offload_prefetch"]
+    assert "got batch.grad_accum=2" in problems[0] and "(got none)" in problems[1]
+    with pytest.raises(ConfigError) as refused:
+        on.updated(changes)
+    assert all(problem in str(refused.value) for problem in problems)

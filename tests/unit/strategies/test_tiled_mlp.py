@@ -93,11 +93,10 @@ def test_tiling_lowers_the_measured_peak_as_the_planner_predicts(tmp_path, words
 
 def test_an_mlp_it_cannot_tile_is_named():
     model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=300))
-    cfg = load_config(None, ["memory.tiled_mlp=true"])
     with pytest.raises(MemfitError, match=r"GPT2MLP \(transformer\.h\.0\.mlp\) is not a gated MLP.*LlamaMLP"):
-        apply_tiled_mlp(model, cfg)
+        apply_tiled_mlp(model)
     with pytest.raises(MemfitError, match="has no decoder layer with an `mlp`"):
-        apply_tiled_mlp(torch.nn.Sequential(torch.nn.Linear(2, 2)), cfg)
+        apply_tiled_mlp(torch.nn.Sequential(torch.nn.Linear(2, 2)))
 
 
 def test_more_slices_than_tokens_are_clamped_with_a_note(caplog):

@@ -8,6 +8,7 @@ import torch
 from memfit.errors import MemfitError
 from memfit.train.loop import train
 from memfit.train.oom import MemoryBudget, OomRecovery, evaluate_with_retry, smaller_split, split_batches
+from memfit.train.resolve import resolve_run
 
 
 def test_smaller_split_divides_the_micro_batch():
@@ -56,20 +57,20 @@ def test_no_recovery_with_optimizer_in_backward():
 
 
 def _peak(tiny_config, **extra):
-    result = train(tiny_config(max_steps=1, **extra), progress=False)
+    result = train(resolve_run(tiny_config(max_steps=1, **extra)), progress=False)
     return result.report.measured_peak_bytes
 
 
 @pytest.mark.slow  # three short training runs: about a minute on 2 busy cores
 def test_oom_in_training_halves_micro_batch_and_loses_nothing(tiny_config, tmp_path):
     steps = 3
-    plain = train(tiny_config(max_steps=steps, overwrite=True, micro_batch=8), progress=False)
+    plain = train(resolve_run(tiny_config(max_steps=steps, overwrite=True, micro_batch=8)), progress=False)
     peak_8 = plain.report.measured_peak_bytes
     peak_4 = _peak(tiny_config, overwrite=True, micro_batch=4, grad_accum=2)
     assert peak_4 < peak_8
     budget = (peak_4 + peak_8) // 2  # micro_batch 8 cannot fit, 4 can
     cfg = tiny_config(max_steps=steps, overwrite=True, micro_batch=8, memory_budget=f"{budget}B")
-    recovered = train(cfg, progress=False)
+    recovered = train(resolve_run(cfg), progress=False)
     # Same data in the same order, same effective batch: the same losses step by step.
     assert recovered.losses == pytest.approx(plain.losses, rel=1e-4)
     assert len(recovered.losses) == steps
@@ -81,4 +82,4 @@ def test_oom_in_training_halves_micro_batch_and_loses_nothing(tiny_config, tmp_p
 def test_oom_at_micro_batch_one_says_what_to_do(tiny_config):
     with pytest.raises(MemfitError, match="micro_batch 1"):
         # The fp32 weights (3.3 MB) fit; AdamW's states (twice that) cannot, at any micro-batch.
-        train(tiny_config(max_steps=1, micro_batch=2, memory_budget="3500000B"), progress=False)
+        train(resolve_run(tiny_config(max_steps=1, micro_batch=2, memory_budget="3500000B")), progress=False)

@@ -18,6 +18,7 @@ from memfit.train import loop
 from memfit.train.loop import train
 from memfit.train.metrics import MetricsLog, OutputWriteError
 from memfit.train.output_dir import OUTPUTS_FILE, OutputDirError, check_output_dir
+from memfit.train.resolve import resolve_run
 from tests.conftest import tiny_overrides
 
 
@@ -41,9 +42,9 @@ def test_an_existing_file_is_refused_before_the_model_is_built(tmp_path, monkeyp
     _no_model_build(monkeypatch)
     (tmp_path / "out").write_text("mine")
     with pytest.raises(OutputDirError, match="is an existing file"):
-        train(_cfg(tmp_path / "out"), progress=False)
+        train(resolve_run(_cfg(tmp_path / "out")), progress=False)
     with pytest.raises(OutputDirError, match=r"out is a file, so no folder can be made under it"):
-        train(_cfg(tmp_path / "out" / "run"), progress=False)
+        train(resolve_run(_cfg(tmp_path / "out" / "run")), progress=False)
     assert (tmp_path / "out").read_text() == "mine"
 
 
@@ -82,7 +83,7 @@ def test_the_model_folder_is_never_written(monkeypatch, model_folder, layout, ho
     out = {"same": model_folder, "parent": model_folder.parent, "child": model_folder / "run"}[layout]
     cfg = _cfg(out, **{"model.name": str(model_folder), "model.init": "pretrained"})
     with pytest.raises(OutputDirError, match=f"{how} the model.name"):
-        train(cfg, progress=False)
+        train(resolve_run(cfg), progress=False)
     assert _sha(model_folder / "model.safetensors") == before
 
 
@@ -102,7 +103,7 @@ def test_a_foreign_folder_needs_overwrite_and_keeps_its_files(tmp_path):
     with pytest.raises(OutputDirError, match=r"not empty and is not a memfit run \(it holds checkpoints, notes.txt\)"):
         check_output_dir(_cfg(out))
 
-    first = train(_cfg(out, max_steps=4, overwrite="true", **{"checkpoints.every": 2}), progress=False)
+    first = train(resolve_run(_cfg(out, max_steps=4, overwrite="true", **{"checkpoints.every": 2})), progress=False)
     assert len(first.losses) == 4
     recorded = json.loads((out / OUTPUTS_FILE).read_text())
     assert recorded["not_ours"] == ["checkpoints", "notes.txt"]
@@ -110,7 +111,7 @@ def test_a_foreign_folder_needs_overwrite_and_keeps_its_files(tmp_path):
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step"))
 
     # Replacing the run deletes memfit's outputs (its checkpoints included), nothing else.
-    train(_cfg(out, max_steps=2, overwrite="true"), progress=False)
+    train(resolve_run(_cfg(out, max_steps=2, overwrite="true")), progress=False)
     assert (out / "notes.txt").read_text() == "my notes"
     assert (out / "checkpoints" / "epoch10.pt").read_bytes() == b"someone's weights"
     assert not (out / "checkpoints" / "step-00000004").exists()
@@ -140,7 +141,7 @@ def test_a_failed_metrics_write_keeps_a_checkpoint_and_the_run_resumes(tmp_path,
 
     monkeypatch.setattr(MetricsLog, "write", disk_full_at_step_3)
     with pytest.raises(OutputWriteError) as caught:
-        train(_cfg(out, max_steps=6), progress=False)
+        train(resolve_run(_cfg(out, max_steps=6)), progress=False)
     message = str(caught.value)
     assert "metrics.jsonl failed: No space left on device" in message
     assert "training stopped at step 3: checkpoint of step 3 saved in" in message
@@ -148,7 +149,7 @@ def test_a_failed_metrics_write_keeps_a_checkpoint_and_the_run_resumes(tmp_path,
 
     monkeypatch.setattr(MetricsLog, "write", real_write)
     with caplog.at_level("WARNING", logger="memfit.checkpoint"):
-        resumed = train(_cfg(out, max_steps=6, resume="true"), progress=False)
+        resumed = train(resolve_run(_cfg(out, max_steps=6, resume="true")), progress=False)
     assert "step-00000003 (step 3)" in caplog.text  # nothing before the failure was lost
     assert len(resumed.losses) == 6
 

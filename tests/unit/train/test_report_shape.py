@@ -12,13 +12,14 @@ import pytest
 from memfit.memory.trace import trace_estimate
 from memfit.memory.tracker import CATEGORIES
 from memfit.train.loop import train
+from memfit.train.resolve import resolve_run
 
 
 def test_demo_report_estimates_the_measured_batch_shape(tiny_config):
     # The demo's settings, a few steps; its examples are at most 98 tokens, seq_len is 128.
     cfg = tiny_config(precision="bf16-mixed", checkpointing="full", optimizer="adamw-8bit", max_steps=3,
                       **{"data.limit": 48})
-    report = train(cfg, progress=False).report
+    report = train(resolve_run(cfg), progress=False).report
 
     shape = report.estimated_shape
     assert shape["micro_batch"] == cfg.batch.micro_batch and shape["grad_accum"] == cfg.batch.grad_accum
@@ -40,7 +41,7 @@ def test_demo_report_estimates_the_measured_batch_shape(tiny_config):
 
 def test_a_run_without_tracking_says_so_instead_of_a_table_of_zeros(tiny_config):
     cfg = tiny_config(max_steps=1, **{"logging.track_memory": "false", "data.limit": 16})
-    result = train(cfg, progress=False)
+    result = train(resolve_run(cfg), progress=False)
     text = (result.output_dir / "memory_report.txt").read_text()
     assert "Memory tracking was off (logging.track_memory: false)" in text
     assert "Peak memory by category" not in text and "0 B" not in text

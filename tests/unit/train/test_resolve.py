@@ -111,8 +111,8 @@ def test_train_builds_its_engine_from_the_resolved_micro_batch(tiny_config, monk
     monkeypatch.setattr(resolve, "available_bytes", lambda device: 2_000_000)  # 1.8 MB after the margin: 8 fit
     made = []
     real = train.__globals__["make_engine"]
-    monkeypatch.setattr("memfit.train.loop.make_engine", lambda cfg: made.append(cfg) or real(cfg))
-    result = train(tiny_config(micro_batch="auto", max_steps=1), progress=False)
+    monkeypatch.setattr("memfit.train.loop.make_engine", lambda cfg, device: made.append(cfg) or real(cfg, device))
+    result = train(resolve_run(tiny_config(micro_batch="auto", max_steps=1)), progress=False)
     assert [cfg.batch.micro_batch for cfg in made] == [8]
     written = yaml.safe_load((result.output_dir / "run_config.yaml").read_text())
     assert written["batch"]["micro_batch"] == 8
@@ -125,7 +125,7 @@ def test_auto_micro_batch_with_the_traced_planner_trains_within_budget(tiny_conf
     budget = trace_estimate(tiny_config(micro_batch=6), "cpu").peak_reserved_bytes + 1000
     cfg = resolve_run(tiny_config(micro_batch="auto", memory_budget=f"{budget}B")).cfg
     assert cfg.batch.micro_batch >= 6
-    result = train(cfg.updated({"max_steps": 2}), progress=False)  # runs under the budget: no OOM
+    result = train(resolve_run(cfg.updated({"max_steps": 2})), progress=False)  # runs under the budget: no OOM
     assert result.report.measured_peak_bytes <= budget
 
 
@@ -151,7 +151,7 @@ def test_train_stops_before_loading_anything_when_host_ram_cannot_hold_the_offlo
     cfg = load_config(None, ["model=memfit/tiny-llama", "model.init=random", "device=auto", "max_steps=1",
                              "memory.activation_offload=true", f"output_dir={tmp_path / 'run'}"])
     with pytest.raises(MemfitError, match="host RAM"):
-        train(cfg, progress=False)
+        train(resolve_run(cfg), progress=False)
     assert not (tmp_path / "run").exists()  # nothing was built or written
 
 
@@ -161,7 +161,8 @@ def test_train_stops_before_loading_anything_when_host_ram_cannot_hold_the_offlo
 def test_the_loop_imports_nothing_of_the_planner_and_never_patches_its_engine():
     tree = ast.parse(LOOP.read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
-    assert not imported & {"memfit.memory.search", "memfit.memory.planner", "memfit.memory.fits"}
+    assert not imported & {"memfit.memory.search", "memfit.memory.planner", "memfit.memory.fits",
+                           "memfit.train.resolve"}  # the caller resolves and passes the ResolvedRun
     patched = [ast.unparse(target) for node in ast.walk(tree) if isinstance(node, ast.Assign)
                for target in node.targets if isinstance(target, ast.Attribute)]
     assert not [name for name in patched if name.startswith("engine.")]

@@ -1,0 +1,90 @@
+"""Model states: the bytes of the weights, gradients and optimizer states of a run on one device, and
+the element sizes every analytic term reads from the run's precision and quantization entries."""
+
+from __future__ import annotations
+
+import math
+
+from memfit.config import RunConfig
+from memfit.memory.model_shape import ModelShape, adapted_linears, lora_params, trainable_params, trainable_value_bytes
+from memfit.strategies.optimizers import TrainedParams, optimizer_entry
+from memfit.strategies.precision import precision_entry
+from memfit.strategies.quantization import quant_entry
+
+
+def weight_size(cfg: RunConfig) -> int:
+    """Bytes per parameter of the model's weights (the precision's weight dtype)."""
+    return precision_entry(cfg.precision).weight_bytes
+
+
+def compute_size(cfg: RunConfig) -> int:
+    """Bytes per element of matmul outputs: the autocast dtype's under autocast, else the weights'."""
+    return precision_entry(cfg.precision).compute_bytes
+
+
+def half_weights(cfg: RunConfig) -> bool:
+    """A 16-bit model: each norm upcasts its input and keeps that fp32 copy instead of the input."""
+    return weight_size(cfg) < 4
+
+
+def fp32_compute(cfg: RunConfig) -> bool:
+    """Everything computes in fp32, the LoRA adapters' own dtype: peft's cast of their input is a no-op."""
+    return compute_size(cfg) == 4
+
+
+def quantized(cfg: RunConfig) -> bool:
+    """The frozen base is stored quantized (the config gives each method its default scheme)."""
+    return cfg.quant.scheme != "none"
+
+
+def weights_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Base weights (quantized block linears under QLoRA/int8) + LoRA adapters (fp32: peft upcasts)."""
+    size = weight_size(cfg)
+    if quantized(cfg):
+        block = shape.block_linear_params
+        rest = shape.total_params - block
+        # norms, embeddings, head: bf16 in a bf16-pure run, else fp32 (adapters.prepare_quantized_for_training)
+        base = math.ceil(block * quant_entry(cfg.quant.scheme).bytes_per_param) + rest * size
+    else:
+        base = shape.total_params * size
+    return base + lora_params(shape, cfg) * 4
+
+
+def gradient_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """One gradient per trainable parameter, in the parameter's dtype."""
+    return trainable_params(shape, cfg) * trainable_value_bytes(cfg)
+
+
+def trained_params(shape: ModelShape, cfg: RunConfig) -> TrainedParams:
+    """The trainable parameters as an optimizer's states see them: full fine-tuning trains the block
+    linears' matrices and everything else whole; LoRA each adapter's A (in x rank) and B (rank x out)."""
+    if cfg.method == "full":
+        matrices = tuple((i, o) for _, i, o in shape.linear)
+        unfactored = shape.total_params - shape.block_linear_params
+    else:
+        r = cfg.lora.rank
+        matrices = tuple(m for _, i, o in adapted_linears(shape, cfg) for m in ((i, r), (r, o)))
+        unfactored = 0
+    return TrainedParams(trainable_params(shape, cfg), trainable_value_bytes(cfg), matrices, unfactored)
+
+
+def optimizer_state_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Optimizer states of the trainable parameters (the optimizer's entry in memfit/strategies/optimizers.py)."""
+    return optimizer_entry(cfg.optim.name).states(trained_params(shape, cfg))
+
+
+def optimizer_scratch(shape: ModelShape, cfg: RunConfig) -> int:
+    """torch's foreach steps (AdamW, SGD, Adafactor) build one scratch copy of the trainable parameters
+    (e.g. Adam's denominator); bitsandbytes/torchao 8-bit optimizers update block by block."""
+    if optimizer_entry(cfg.optim.name).foreach_scratch:
+        return trainable_params(shape, cfg) * trainable_value_bytes(cfg)
+    return 0
+
+
+def largest_param_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """The biggest single trainable parameter: the most gradient optimizer_in_backward ever holds."""
+    if cfg.method == "full":
+        largest = shape.largest_tensor_params
+    else:
+        largest = max([cfg.lora.rank * max(i, o) for _, i, o in adapted_linears(shape, cfg)] or [0])
+    return largest * trainable_value_bytes(cfg)

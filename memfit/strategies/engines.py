@@ -1,0 +1,63 @@
+"""The data-parallel engines (`distributed.sharding`): what each one shards, keeps gathered and sends
+between ranks, written once and read by the config's rules, the torch wrapper
+(memfit/distributed/sharding.py), the per-rank estimate (memory/distributed_estimate.py), the speed
+model (memory/costs.py) and the planner's search (memory/search_space.py).
+
+ZeRO's rule, as memfit's engines run it: stage 1 shards the optimizer states over the data-parallel
+ranks, stage 2 also the gradients, stage 3 also the weights. Entries hold values, never the RunConfig.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from memfit.strategies.entries import entry_lookup
+
+# the ZeRO stage from which each kind of model state is sharded
+SHARDED_FROM_STAGE = {"optimizer_states": 1, "gradients": 2, "weights": 3}
+
+
+@dataclass(frozen=True)
+class ShardingEntry:
+    name: str                     # the value of distributed.sharding
+    label: str                    # how the plan's table names it
+    zero_stage: int               # 0: every rank holds every model state
+    ranks: bool                   # runs one process per GPU under torchrun
+    gradient_buckets: bool        # DDP: gradients are views into buckets allocated at every moment
+    fsdp2: bool                   # FSDP2 fully_shard: DTensor parameters, sharded at rest, CPU offload possible
+    reshard_after_forward: bool   # gathers each block's weights again for its backward (else keeps them)
+    full_only: bool = False       # the search offers it to full fine-tuning only
+
+    def shards(self, category: str) -> bool:
+        """Whether this engine splits one kind of model state over the data-parallel ranks."""
+        return self.zero_stage >= SHARDED_FROM_STAGE[category]
+
+    def split(self, weights: int, gradients: int, states: int, ranks: int,
+              at_rest: bool = False) -> tuple[int, int, int]:
+        """One rank's share of the model states (bytes, rounded up) by ZeRO's rule for this stage, or
+        `at_rest`, as the rank holds them between uses: FSDP2 shards every state at rest (zero2 too)."""
+        stage = 3 if at_rest and self.fsdp2 else self.zero_stage
+
+        def share(nbytes: int, category: str) -> int:
+            return -(-nbytes // ranks) if stage >= SHARDED_FROM_STAGE[category] else nbytes
+
+        return share(weights, "weights"), share(gradients, "gradients"), share(states, "optimizer_states")
+
+    def gradient_traffic(self) -> float:
+        """Gradient bytes each rank sends per gradient byte, as a fraction of a ring all-reduce: a
+        reduce-scatter (FSDP2) moves half of what an all-reduce does."""
+        return 0.5 if self.fsdp2 else 1.0
+
+    def weight_gathers(self) -> int:
+        """All-gathers of the weights per micro-batch: the forward's and, when resharded, the backward's."""
+        return 2 if self.zero_stage >= 3 and self.reshard_after_forward else 0
+
+
+SHARDING_ENTRIES = (
+    ShardingEntry("none", "one process", 0, False, False, False, False),
+    ShardingEntry("ddp", "DDP", 0, True, True, False, False),
+    ShardingEntry("zero1", "ZeRO-1", 1, True, True, False, False, full_only=True),
+    ShardingEntry("zero2", "ZeRO-2", 2, True, False, True, False),
+    ShardingEntry("zero3", "ZeRO-3", 3, True, False, True, True),
+)
+SHARDINGS, sharding_entry = entry_lookup(SHARDING_ENTRIES, "distributed.sharding")
