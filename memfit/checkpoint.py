@@ -22,6 +22,7 @@ the process at exactly the worst moment (tests/integration/test_resume.py does).
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import logging
 import os
@@ -33,7 +34,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy
 import torch
+from safetensors.torch import load_file, save as safetensors_save
 
 from memfit.errors import MemfitError
 
@@ -98,12 +101,9 @@ def rng_state() -> tuple[dict[str, torch.Tensor], dict]:
             tensors[f"torch_cuda_{index}"] = state
     version, internal, gauss = random.getstate()
     plain = {"python": [version, list(internal), gauss]}
-    try:  # numpy only when something already imported it (transformers usually has)
-        import sys
-
-        if "numpy" in sys.modules:
-            name, keys, pos, has_gauss, cached = sys.modules["numpy"].random.get_state()
-            plain["numpy"] = [name, keys.tolist(), pos, has_gauss, cached]
+    try:
+        name, keys, pos, has_gauss, cached = numpy.random.get_state()
+        plain["numpy"] = [name, keys.tolist(), pos, has_gauss, cached]
     except Exception:  # pragma: no cover - exotic numpy builds
         pass
     return tensors, plain
@@ -117,24 +117,18 @@ def set_rng_state(tensors: dict[str, torch.Tensor], plain: dict) -> None:
     version, internal, gauss = plain["python"]
     random.setstate((version, tuple(internal), gauss))
     if "numpy" in plain:
-        import numpy
-
         name, keys, pos, has_gauss, cached = plain["numpy"]
         numpy.random.set_state((name, numpy.array(keys, dtype=numpy.uint32), pos, has_gauss, cached))
 
 
 def _serialize(obj) -> bytes:
-    import io
-
     buffer = io.BytesIO()
     torch.save(obj, buffer)
     return buffer.getvalue()
 
 
 def _safetensors_bytes(tensors: dict[str, torch.Tensor]) -> bytes:
-    from safetensors.torch import save
-
-    return save(tensors)
+    return safetensors_save(tensors)
 
 
 def save_checkpoint(out: Path, state: TrainerState, model: torch.nn.Module, optimizer, scheduler=None,
@@ -312,8 +306,6 @@ def _set_aside(path: Path) -> Path:
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer, scheduler=None, scaler=None) -> TrainerState:
     """Restore weights, optimizer, scheduler, scaler and RNG from a verified checkpoint folder."""
-    from safetensors.torch import load_file
-
     weights = load_file(path / "model.safetensors")
     params = dict(model.named_parameters())
     expected = {name for name, p in params.items() if p.requires_grad}

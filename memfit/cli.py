@@ -7,10 +7,13 @@ message and exit with status 2, without a traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import sys
 import warnings
+from pathlib import Path
+from typing import get_args
 
 from memfit.errors import MemfitError
 
@@ -37,6 +40,8 @@ def _library_progress_bars(enabled: bool) -> None:
     weights), so that the terminal shows only memfit's own lines."""
     if enabled:
         return
+    # Imported here: huggingface_hub reads HF_HUB_DISABLE_TELEMETRY at import, so only after _quiet_libraries
+    # has set it; and transformers takes 0.5-0.9 s to import, which `memfit --help` should not pay.
     from huggingface_hub.utils import disable_progress_bars
     from transformers.utils.logging import disable_progress_bar
 
@@ -63,8 +68,6 @@ def cmd_train(args) -> int:
 def _plan_options() -> dict:
     """`memfit plan` options: flag -> (the RunConfig path it sets, argparse settings). Choices come from
     the config's own types, so the CLI never keeps a copy of them."""
-    from typing import get_args
-
     from memfit.config import Attention, Method, Offload, Optimizer, Precision, Quant, Sharding
     from memfit.strategies.table import STEP_STRATEGIES
 
@@ -97,8 +100,6 @@ PLAN_OPTIONS = _plan_options()
 
 
 def cmd_plan(args) -> int:
-    import json
-
     from memfit.config import load_config
     from memfit.memory.fits import machine_ram_bytes
     from memfit.memory.plan_text import plan_text
@@ -206,8 +207,6 @@ def cmd_bench(args) -> int:
 
 def _check_out_folder(folder: str, option: str) -> None:
     """A folder memfit will create (or write into) must not be a file, nor lie under one or in a read-only place."""
-    from pathlib import Path
-
     path = Path(folder)
     existing = next(p for p in (path, *path.parents) if p.exists())  # the part that is there already
     if not existing.is_dir():
@@ -233,9 +232,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_report(args) -> int:
-    from pathlib import Path
-
-    from memfit.errors import MemfitError
     from memfit.memory.timeline import read_timeline, timeline_chart
 
     if args.chart:  # checked before anything is read or printed
@@ -265,8 +261,6 @@ def cmd_presets(args) -> int:
 
 
 def _shipped_config(name: str) -> str:
-    from pathlib import Path
-
     return str(Path(__file__).with_name("configs") / name)
 
 
@@ -281,8 +275,6 @@ def _print_summary(result) -> None:
         best = min(result.eval_losses, key=result.eval_losses.get)
         print("eval loss by step: " + ", ".join(f"{step} {loss:.3f}" for step, loss in result.eval_losses.items())
               + f" (lowest at step {best})")
-    from pathlib import Path
-
     written = sorted(p.name + ("/" if p.is_dir() else "") for p in Path(result.output_dir).iterdir())
     print(f"outputs in {result.output_dir}/: {', '.join(written)}")
 

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 import torch
+from transformers import AutoTokenizer
 
 from memfit.config import RunConfig, load_config
 from memfit.data.formats import ALPACA_PROMPT, ALPACA_PROMPT_NO_INPUT, chat_template_for, detect_format
@@ -26,8 +27,6 @@ log = logging.getLogger(__name__)
 
 def load_run(run_dir: str | Path):
     """-> (model in eval mode, tokenizer, the run's config) from a finished run's folder."""
-    from transformers import AutoTokenizer
-
     run_dir = Path(run_dir)
     require_run_dir(run_dir, "memfit generate")
     cfg = load_config(run_dir / "run_config.yaml")

@@ -12,7 +12,7 @@ Two levels:
 from __future__ import annotations
 
 from memfit.errors import MemfitError
-from memfit.strategies.engines import sharding_entry
+from memfit.strategies.engines import offload_entry, sharding_entry
 from memfit.strategies.optimizers import optimizer_entry
 from memfit.strategies.precision import precision_entry
 
@@ -30,7 +30,7 @@ def config_problems(cfg) -> list[str]:
     engines = cfg.distributed
     tp, pp, sharding, offload = engines.tensor_parallel, engines.pipeline_parallel, engines.sharding, engines.offload
     fsdp2 = sharding_entry(sharding).fsdp2  # DTensor parameters, sharded at rest
-    if offload != "none" and not fsdp2:
+    if offload_entry(offload).host_states and not fsdp2:
         problems.append(f"distributed.offload: {offload} needs distributed.sharding: zero2 or zero3 (FSDP2's "
                         f"CPUOffloadPolicy); sharding is {sharding}")
     if tp > 1 and pp > 1:

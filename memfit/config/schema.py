@@ -9,7 +9,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
-from memfit.strategies.engines import SHARDINGS
+from memfit.strategies.engines import OFFLOADS, SHARDINGS
 from memfit.strategies.methods import METHODS
 from memfit.strategies.optimizers import OPTIMIZERS
 from memfit.strategies.precision import PRECISIONS
@@ -24,7 +24,7 @@ Attention = Literal["eager", "sdpa", "flash"]
 Method = Literal[METHODS]  # the method table (memfit/strategies/methods.py)
 Quant = Literal[QUANT_SCHEMES]  # the quantization table (memfit/strategies/quantization.py)
 Sharding = Literal[SHARDINGS]  # the data-parallel engine table (memfit/strategies/engines.py)
-Offload = Literal["none", "params", "all"]
+Offload = Literal[OFFLOADS]  # the offload table (memfit/strategies/engines.py)
 
 _CHECKPOINTING = re.compile(r"^(none|full|every-[1-9][0-9]*)$")
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import bisect
 import json
 import logging
+import multiprocessing
 import os
 import resource
 import shutil
@@ -23,6 +24,9 @@ from array import array
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+import numpy as np
+from tqdm.auto import tqdm
 
 from memfit.data.batching import CHUNK_RECORDS, chunked
 from memfit.data.examples import EncodeSpec, ProblemLog, encode_chunk
@@ -97,8 +101,6 @@ def _encoded_chunks(chunks, spec: EncodeSpec, workers: int):
         for chunk in chunks:
             yield encode_chunk(chunk, spec)
         return
-    import multiprocessing
-
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the workers are the parallelism
     method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     with multiprocessing.get_context(method).Pool(workers, _init_worker, (spec,)) as pool:
@@ -126,8 +128,6 @@ def _blocks(rows, tokens: int):
 
 
 def _length_stats(lengths: array) -> dict:
-    import numpy as np
-
     if not len(lengths):
         return {}
     values = np.frombuffer(lengths, dtype=np.int32)
@@ -138,7 +138,6 @@ def _length_stats(lengths: array) -> dict:
 def prepare_dataset(cfg, tokenizer, out_dir: str | Path, overwrite: bool = False, progress: bool = True) -> PrepareReport:
     """Tokenize cfg.data into `out_dir` (memory-mapped Arrow + meta.json); returns the statistics."""
     import pyarrow as pa
-    from tqdm.auto import tqdm
 
     out = Path(out_dir)
     if out.exists() and not overwrite:
@@ -250,8 +249,6 @@ class PreparedDataset:
         return out
 
     def lengths(self) -> list[int]:
-        import numpy as np
-
         return np.concatenate([np.diff(c["input_ids"][0]) for c in self._columns]).tolist()
 
     @classmethod

@@ -20,11 +20,14 @@ warning saying how many and from which line.
 
 from __future__ import annotations
 
+import csv
 import glob
 import json
 import logging
 from pathlib import Path
 from typing import Iterator
+
+import numpy as np
 
 from memfit.data.demo import DEMO_PATH
 from memfit.errors import MemfitError, require
@@ -235,8 +238,6 @@ class _CsvLines:
 
 
 def _read_csv(path: Path, max_bytes: int, utf8: _Utf8Tally) -> Iterator[tuple[str, object]]:
-    import csv
-
     # _CsvLines bounds whole rows; csv's own per-field limit (128 KiB by default) must not stop a
     # field that fits in one.
     csv.field_size_limit(max(csv.field_size_limit(), max_bytes))
@@ -284,8 +285,6 @@ def _iter_table_batches(path: Path, batches, max_bytes: int) -> Iterator[tuple[s
 
 def _row_text_bytes(batch):
     """Bytes of string and binary data in each row of an Arrow record batch (numpy int64)."""
-    import numpy as np
-
     total = np.zeros(batch.num_rows, dtype=np.int64)
     for column in batch.columns:
         total += _array_text_bytes(column)
@@ -295,7 +294,6 @@ def _row_text_bytes(batch):
 def _array_text_bytes(array):
     """Per row of an Arrow array: bytes of its strings, summed through lists and structs
     (a chat `messages` column is a list of structs of strings)."""
-    import numpy as np
     import pyarrow as pa
     import pyarrow.compute as pc
 

@@ -56,7 +56,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def _is_zero1(optimizer) -> bool:
-    # Imported here: torch.distributed.optim takes about half a second to import, which runs without
+    # Imported here: torch.distributed.optim takes 0.3-0.4 s to import, which runs without
     # a distributed engine should not pay.
     from torch.distributed.optim import ZeroRedundancyOptimizer
 

@@ -32,14 +32,13 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from transformers import AutoModelForCausalLM
 
 from memfit.distributed.launch import DistContext
 from memfit.distributed.modules import place
 from memfit.errors import MemfitError
 
-# torch.distributed.pipelining is imported where a pipeline is built: it takes about 2 s to import, which
-# the planner (it reads this module's stage split) and runs without pipeline parallel should not pay.
 IGNORE_INDEX = -100
 
 
@@ -72,8 +71,6 @@ def stage_blocks(num_layers: int, stages: int, stage: int) -> range:
 class PipelineModel(torch.nn.Module):
     def __init__(self, stage: _Stage, names: dict[str, str], cfg, ctx: DistContext, device, tied: bool):
         super().__init__()
-        from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
-
         self.stage, self.ctx, self.cfg, self.device, self.tied = stage, ctx, cfg, device, tied
         self.names = names  # stage parameter name -> name in the Hugging Face model
         self.first, self.last = ctx.rank == 0, ctx.rank == ctx.world_size - 1

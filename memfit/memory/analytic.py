@@ -23,6 +23,7 @@ from memfit.memory.single_device import (ALLOCATOR_SEGMENT_BYTES, beyond_basics_
                                          peak_candidates, runtime_overheads, strategy_host_bytes)
 from memfit.memory.tracker import CATEGORIES
 from memfit.models.loading import load_model_config
+from memfit.strategies.engines import offload_entry
 from memfit.strategies.optimizers import optimizer_entry
 
 
@@ -52,7 +53,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
         overheads["paged_optimizer_states"] = paged
     reserved = allocated + overheads.get("cublas_workspace", 0) + overheads.get("allocator_reserve", 0)
     ram = cpu_ram_bytes(shape, cfg, device)
-    if cfg.distributed.offload != "none":  # what offload took off the GPU now lives in host RAM
+    if offload_entry(cfg.distributed.offload).host_states:  # what offload took off the GPU lives in host RAM
         ram["offloaded"] = rank_states(shape, cfg, gpus, device).host_bytes
     ram.update(strategy_host_bytes(shape, cfg, device))  # e.g. activation_offload: the saved tensors, pinned
     if device == "cpu":

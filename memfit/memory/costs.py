@@ -13,10 +13,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from memfit.memory.activations import checkpointed_layers, tokens_of
+from memfit.memory.distributed_estimate import data_parallel_ranks
 from memfit.memory.families import family_of
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import trainable_params, trainable_value_bytes
-from memfit.strategies.engines import sharding_entry
+from memfit.strategies.engines import offload_entry, sharding_entry
 from memfit.strategies.optimizers import optimizer_entry
 from memfit.strategies.precision import precision_entry
 from memfit.strategies.quantization import quant_entry
@@ -51,7 +52,7 @@ class _Step:
 
     @property
     def data_parallel(self) -> int:
-        return max(self.gpus // self.model_parallel, 1)
+        return data_parallel_ranks(self.terms.cfg, self.gpus)
 
     @property
     def optimizer_shards(self) -> int:
@@ -148,17 +149,14 @@ def dequantize_seconds(step: _Step) -> float:
     return shape.block_linear_params * quant.dequant_bytes * passes * cfg.batch.grad_accum / step.memory_rate
 
 
-def _offloaded(cfg) -> bool:
-    return cfg.distributed.offload != "none"
-
-
 def optimizer_seconds(step: _Step) -> float:
     """Read + write the parameters, read the gradients, read + write the states, for this rank's share."""
     cfg = step.terms.cfg
     master = trainable_value_bytes(cfg)
     states = optimizer_entry(cfg.optim.name).state_bytes_per_value(master)
     step_bytes = step.trained_per_rank * (2 * master + master + 2 * states)
-    return step_bytes / (CPU_OPTIMIZER_BYTES_PER_S if _offloaded(cfg) else step.memory_rate)
+    return step_bytes / (CPU_OPTIMIZER_BYTES_PER_S if offload_entry(cfg.distributed.offload).host_states
+                         else step.memory_rate)
 
 
 def host_link_seconds(step: _Step, strategy_bytes: float) -> float:
@@ -166,7 +164,7 @@ def host_link_seconds(step: _Step, strategy_bytes: float) -> float:
     bits, gradients out."""
     cfg = step.terms.cfg
     host = strategy_bytes
-    if _offloaded(cfg):
+    if offload_entry(cfg.distributed.offload).host_states:
         compute_bytes = 2
         host += (2 * compute_bytes * step.active_params / step.optimizer_shards / step.model_parallel
                  + trainable_value_bytes(cfg) * step.trained_per_rank) * cfg.batch.grad_accum

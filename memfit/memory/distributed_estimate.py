@@ -38,7 +38,7 @@ from memfit.memory.activations import (attention_scores_bytes, activation_bytes,
                                        layer_gradient_buffers, loss_bytes, tokens_of)
 from memfit.memory.model_shape import adapted_linears, trainable_value_bytes
 from memfit.memory.model_states import compute_size, gradient_bytes, optimizer_state_bytes, weight_size, weights_bytes
-from memfit.strategies.engines import sharding_entry
+from memfit.strategies.engines import offload_entry, sharding_entry
 from memfit.strategies.optimizers import optimizer_entry
 
 CPU_OPTIMIZER_SCRATCH_TENSORS = 4  # torch's single-tensor AdamW: ~4 temporaries of the tensor updated
@@ -66,6 +66,7 @@ def _counts(shape) -> tuple[int, int, int]:
 
 
 def data_parallel_ranks(cfg, gpus: int) -> int:
+    """The ranks that each train on their own micro-batches: the GPUs over the tensor x pipeline degree."""
     return max(gpus // (cfg.distributed.tensor_parallel * cfg.distributed.pipeline_parallel), 1)
 
 
@@ -98,7 +99,7 @@ def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> 
     out = RankStates(*engine.split(weights, grads, states, n, at_rest=True))
     gathered = int((root + 2 * block) * size) if engine.reshard_after_forward else weights
     out.gathered_weights, out.gather_buffer = gathered, int(block * size)
-    if cfg.distributed.offload in ("params", "all") and device == "cuda":
+    if offload_entry(cfg.distributed.offload).host_states and device == "cuda":
         out.host_bytes = out.weights + out.gradients + out.optimizer_states
         out.weights = out.gradients = out.optimizer_states = 0
         out.notes.append("offload: sharded weights, gradients and optimizer states in host RAM")

@@ -21,6 +21,7 @@ from memfit.config import RunConfig
 from memfit.memory.analytic import analytic_estimate, device_total_bytes
 from memfit.memory.candidates import Candidate, pareto, prefer_fidelity
 from memfit.memory.costs import step_time
+from memfit.memory.distributed_estimate import data_parallel_ranks
 from memfit.memory.fits import FitRule, default_margin, largest_that_fits
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import ModelShape, model_shape
@@ -102,8 +103,8 @@ class _Scorer:
         cfg = c.cfg
         c.time_terms = step_time(StrategyTerms(self.shape, cfg, self.device), self.gpu, self.gpus)
         c.step_seconds = sum(c.time_terms.values())
-        data_parallel = max(self.gpus // (cfg.distributed.tensor_parallel * cfg.distributed.pipeline_parallel), 1)
-        c.tokens_per_second = cfg.batch.micro_batch * cfg.data.seq_len * cfg.batch.grad_accum * data_parallel / c.step_seconds
+        sequences = cfg.batch.micro_batch * cfg.batch.grad_accum * data_parallel_ranks(cfg, self.gpus)
+        c.tokens_per_second = sequences * cfg.data.seq_len / c.step_seconds
         return c
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import logging
 import os
 import pickle
@@ -35,6 +36,7 @@ from huggingface_hub import constants as hf_constants
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from memfit.config import ModelConfig
 from memfit.errors import MemfitError
@@ -120,10 +122,6 @@ def _config_error(where: str, exc: Exception) -> ModelLoadError:
 
 def _require_causal_lm(config: PretrainedConfig, name: str) -> PretrainedConfig:
     """Refuse configs that are not decoder language models, before anything is built or written."""
-    import inspect
-
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
-
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
     if model_class is None:
         raise ModelLoadError(f"model.name: '{name}' is a {config.model_type} model, which is not a causal "

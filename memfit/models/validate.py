@@ -10,6 +10,7 @@ layers. Every problem is listed at once.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from memfit.errors import MemfitError
 
@@ -124,7 +125,5 @@ def check_model(cfg, model_config, where: str, gpus: int = 1) -> None:
 
 def model_where(spec) -> str:
     """How a message names the model's config: its config.json path, or the preset / hub id."""
-    from pathlib import Path
-
     path = Path(spec.name).expanduser()
     return str(path / "config.json") if path.is_dir() else f"'{spec.name}'"

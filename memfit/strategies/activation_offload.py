@@ -24,6 +24,7 @@ import weakref
 from contextlib import nullcontext
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from memfit.strategies.step_strategy import StepSettings, StepStrategy
@@ -173,8 +174,6 @@ class _Packed:
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(tensor, FakeTensor)
 
 

@@ -1,7 +1,8 @@
-"""The data-parallel engines (`distributed.sharding`): what each one shards, keeps gathered and sends
-between ranks, written once and read by the config's rules, the torch wrapper
-(memfit/distributed/sharding.py), the per-rank estimate (memory/distributed_estimate.py), the speed
-model (memory/costs.py) and the planner's search (memory/search_space.py).
+"""The data-parallel engines (`distributed.sharding`) and their CPU offload (`distributed.offload`): what
+each one shards, keeps gathered, sends between ranks or parks in host RAM, written once and read by the
+config's rules, the torch wrapper (memfit/distributed/sharding.py), the per-rank estimate
+(memory/distributed_estimate.py), the speed model (memory/costs.py) and the planner's search
+(memory/search_space.py).
 
 ZeRO's rule, as memfit's engines run it: stage 1 shards the optimizer states over the data-parallel
 ranks, stage 2 also the gradients, stage 3 also the weights. Entries hold values, never the RunConfig.
@@ -61,3 +62,16 @@ SHARDING_ENTRIES = (
     ShardingEntry("zero3", "ZeRO-3", 3, True, False, True, True),
 )
 SHARDINGS, sharding_entry = entry_lookup(SHARDING_ENTRIES, "distributed.sharding")
+
+
+@dataclass(frozen=True)
+class OffloadEntry:
+    name: str                # the value of distributed.offload
+    host_states: bool        # FSDP2's CPUOffloadPolicy: the rank's sharded weights, gradients and optimizer
+                             # states live in host RAM, the optimizer step runs there, and each block's
+                             # parameters are copied in for its forward and backward
+
+
+# "params" and "all" both mean FSDP2's CPUOffloadPolicy, which moves every sharded state
+OFFLOAD_ENTRIES = (OffloadEntry("none", False), OffloadEntry("params", True), OffloadEntry("all", True))
+OFFLOADS, offload_entry = entry_lookup(OFFLOAD_ENTRIES, "distributed.offload")

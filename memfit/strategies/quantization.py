@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from memfit.errors import MemfitError, MissingPackageError, require
 from memfit.strategies.entries import entry_lookup
@@ -140,6 +141,8 @@ def choose_backend(quant: str, backend: str = "auto") -> str:
 def bitsandbytes_config(scheme: str, dtype: torch.dtype):
     """transformers' BitsAndBytesConfig for loading real weights straight into quantized layers of
     `scheme`, computing in `dtype` (`compute_dtype`)."""
+    # Imported here: memfit.config (so `memfit --help`) imports this module, and transformers takes
+    # 0.7 s to import.
     from transformers import BitsAndBytesConfig
 
     if scheme == "int8":
@@ -178,8 +181,6 @@ def is_quantized(model: nn.Module) -> bool:
 
 
 def _is_fake(tensor: torch.Tensor) -> bool:
-    from torch._subclasses.fake_tensor import FakeTensor
-
     return isinstance(tensor, FakeTensor)
 
 
@@ -264,8 +265,6 @@ def _bnb_linear(linear: nn.Linear, quant: str, dtype: torch.dtype) -> nn.Module:
     bnb = require("bitsandbytes", f"quant: {quant}")
     weight, device = linear.weight.detach(), linear.weight.device
     fake = _is_fake(weight)
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
     with unset_fake_temporarily():  # bitsandbytes' modules cannot be constructed inside FakeTensorMode
         if quant == "int8":
             new = bnb.nn.Linear8bitLt(linear.in_features, linear.out_features, bias=linear.bias is not None,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -245,8 +246,6 @@ def finish(engine: Engine, model, tokenizer, out: Path, report: MemoryReport, ti
 
 
 def measured_report(tracker, device: torch.device, tracked: bool = True) -> MemoryReport:
-    import resource
-
     report = MemoryReport(tracked=tracked, measured_peak_bytes=tracker.peak_bytes,
                           measured_by_category=tracker.peak_by_category(),
                           measured_phase_peaks=dict(tracker.phase_peaks))

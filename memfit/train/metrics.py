@@ -49,7 +49,7 @@ def _number(value) -> bool:
 class _TensorBoard:
     def __init__(self, out: Path, config: dict):
         require("tensorboard", "report_to: tensorboard")
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # imported here: it imports the optional tensorboard
 
         self.where = out / "tensorboard"
         self.writer = SummaryWriter(log_dir=str(self.where))

@@ -27,6 +27,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from memfit.checkpoint import CHECKPOINTS_DIR, aside_path, discard_checkpoints, newest_checkpoint_step
 from memfit.config import RunConfig, move_flat_keys
 from memfit.data.identity import data_identity, identity_changes
@@ -310,8 +312,6 @@ def _write_aside(path: Path, text: str) -> None:
 def check_same_run(out: Path, cfg: RunConfig) -> None:
     """resume=true: the saved run_config.yaml must describe the same run (up to RESUMABLE_CHANGES,
     each of which is logged as a note)."""
-    import yaml
-
     path = out / "run_config.yaml"
     if not path.exists():
         return

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import socket
 import sys
 import time
@@ -107,8 +108,6 @@ def _write_info(path: Path) -> None:
 
 
 def _command() -> str:
-    import shlex
-
     program = "python -m memfit" if sys.argv and sys.argv[0].endswith(f"memfit{os.sep}__main__.py") \
         else Path(sys.argv[0]).name if sys.argv else "python"
     text = shlex.join([program, *sys.argv[1:]])

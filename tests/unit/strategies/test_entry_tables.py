@@ -1,4 +1,4 @@
-"""The quantized-base, method and data-parallel engine tables: the config's choices and `memfit plan`'s
+"""The quantized-base, method, data-parallel engine and CPU offload tables: the config's choices and `memfit plan`'s
 flags are the tables' names, and every consumer reads each entry's own numbers (the estimate, the
 speed model, the per-rank states, the search)."""
 
@@ -10,7 +10,7 @@ from typing import get_args
 import pytest
 
 from memfit.cli import PLAN_OPTIONS
-from memfit.config import Method, Quant, Sharding, load_config
+from memfit.config import ConfigError, Method, Offload, Quant, Sharding, load_config
 from memfit.memory.candidates import gives_up
 from memfit.memory.costs import MEMORY_EFFICIENCY, step_time
 from memfit.memory.distributed_estimate import rank_states
@@ -20,7 +20,7 @@ from memfit.memory.model_states import weights_bytes
 from memfit.memory.search_space import families
 from memfit.memory.single_device import StrategyTerms
 from memfit.models.presets import load_preset_config
-from memfit.strategies.engines import SHARDED_FROM_STAGE, SHARDING_ENTRIES, SHARDINGS
+from memfit.strategies.engines import OFFLOAD_ENTRIES, OFFLOADS, SHARDED_FROM_STAGE, SHARDING_ENTRIES, SHARDINGS
 from memfit.strategies.methods import METHOD_ENTRIES, METHODS
 from memfit.strategies.quantization import BNB_BLOCK, QUANT_ENTRIES, QUANT_SCHEMES
 
@@ -79,3 +79,15 @@ def test_every_engine_reaches_the_per_rank_states_and_the_search(entry):
     labels = [name for name, _ in families(cfg, gpus=4, device="cuda")]
     assert f"full, {entry.label}" in labels
     assert (f"LoRA, {entry.label}" in labels) != entry.full_only
+
+
+@pytest.mark.parametrize("entry", OFFLOAD_ENTRIES, ids=lambda e: e.name)
+def test_every_offload_entry_reaches_the_rules_the_states_and_the_step_time(entry):
+    assert get_args(Offload) == OFFLOADS and PLAN_OPTIONS["offload"][1]["choices"] == list(OFFLOADS)
+    cfg = load_config(None, ["precision=bf16-mixed", "distributed.sharding=zero3", f"distributed.offload={entry.name}"])
+    rank = rank_states(SHAPE, cfg, 4)
+    assert (rank.host_bytes > 0) == entry.host_states and (rank.weights == 0) == entry.host_states
+    assert ("host_link" in step_time(StrategyTerms(SHAPE, cfg, "cuda"), find_gpu("h100"), 4)) == entry.host_states
+    if entry.host_states:  # FSDP2's CPUOffloadPolicy: refused without FSDP2
+        with pytest.raises(ConfigError, match="distributed.offload"):
+            load_config(None, ["distributed.sharding=ddp", f"distributed.offload={entry.name}"])
