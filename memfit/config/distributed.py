@@ -12,7 +12,7 @@ Two levels:
 from __future__ import annotations
 
 from memfit.errors import MemfitError
-from memfit.strategies.engines import offload_entry, sharding_entry
+from memfit.strategies.engines import model_parallel_in_use, offload_entry, sharding_entry
 from memfit.strategies.optimizers import optimizer_entry
 from memfit.strategies.precision import precision_entry
 
@@ -28,34 +28,34 @@ def config_problems(cfg) -> list[str]:
     """Field combinations no engine here can run. Each message names the fields and a fix."""
     problems = []
     engines = cfg.distributed
-    tp, pp, sharding, offload = engines.tensor_parallel, engines.pipeline_parallel, engines.sharding, engines.offload
+    sharding, offload = engines.sharding, engines.offload
     fsdp2 = sharding_entry(sharding).fsdp2  # DTensor parameters, sharded at rest
+    parallel = [entry for entry, _ in model_parallel_in_use(engines.model_dump())]
     if offload_entry(offload).host_states and not fsdp2:
         problems.append(f"distributed.offload: {offload} needs distributed.sharding: zero2 or zero3 (FSDP2's "
                         f"CPUOffloadPolicy); sharding is {sharding}")
-    if tp > 1 and pp > 1:
-        problems.append("tensor_parallel and pipeline_parallel together (2D/3D parallel) are not supported yet: "
-                        "set one of them to 1")
-    if (tp > 1 or pp > 1) and sharding != "none":
-        which = "tensor_parallel" if tp > 1 else "pipeline_parallel"
-        problems.append(f"{which} > 1 with distributed.sharding: {sharding} is not supported yet: use "
+    if len(parallel) > 1:
+        problems.append(f"{' and '.join(entry.name for entry in parallel)} together (2D/3D parallel) are not "
+                        "supported yet: set one of them to 1")
+    if parallel and sharding != "none":
+        problems.append(f"{parallel[0].name} > 1 with distributed.sharding: {sharding} is not supported yet: use "
                         "distributed.sharding: none "
                         f"(every rank is one tensor-parallel shard or pipeline stage)")
-    if (tp > 1 or pp > 1) and cfg.method != "full":
+    if parallel and cfg.method != "full":
         problems.append(f"method: {cfg.method} with tensor/pipeline parallel is not supported: use method: full, "
                         "or distributed.sharding: ddp/zero* for adapters")
     if cfg.quant.scheme != "none" and fsdp2:
         problems.append(f"quant: {cfg.quant.scheme} with FSDP2 (zero2/zero3) is not supported: quantized (4-/8-bit) "
                         "weights cannot be sharded here; use distributed.sharding: ddp")
-    if precision_entry(cfg.precision).scaler and (fsdp2 or tp > 1 or pp > 1):
+    if precision_entry(cfg.precision).scaler and (fsdp2 or parallel):
         problems.append(f"precision: {cfg.precision}'s loss scaler does not handle sharded (DTensor) gradients here: "
                         "use bf16-mixed or bf16-pure")
-    if not optimizer_entry(cfg.optim.name).on_dtensor and (fsdp2 or tp > 1):
+    if not optimizer_entry(cfg.optim.name).on_dtensor and (fsdp2 or any(entry.dtensor for entry in parallel)):
         problems.append(f"optim.name: {cfg.optim.name} keeps quantized states that cannot follow sharded (DTensor) "
                         "parameters: use optim.name: adamw with zero2/zero3 or tensor_parallel")
-    if pp > 1 and cfg.optim.max_grad_norm is not None:
-        problems.append("pipeline_parallel > 1 needs optim.max_grad_norm: null (gradient clipping across pipeline "
-                        "stages is not implemented)")
+    for entry in parallel:
+        if entry.clipping_problem and cfg.optim.max_grad_norm is not None:
+            problems.append(f"{entry.name} > 1 needs optim.max_grad_norm: null ({entry.clipping_problem})")
     return problems
 
 

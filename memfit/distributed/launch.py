@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from memfit.config.distributed import check_launch
 from memfit.step import count_targets
+from memfit.strategies.engines import model_parallel_in_use
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,7 @@ def init_distributed(cfg, device: torch.device, model_config=None) -> DistContex
             os.environ.setdefault(key, value)  # one process asked for sharding without torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     backend = dist.get_backend()
-    model_parallel = cfg.distributed.tensor_parallel > 1 or cfg.distributed.pipeline_parallel > 1
+    model_parallel = bool(model_parallel_in_use(cfg.distributed.model_dump()))  # every rank sees the same batch
     dp_rank, dp_size = (0, 1) if model_parallel else (rank, world)
     return DistContext(rank, world, local_rank, dp_rank, dp_size, enabled=True, backend=backend, owns_group=owns_group)
 

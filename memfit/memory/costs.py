@@ -17,7 +17,7 @@ from memfit.memory.distributed_estimate import data_parallel_ranks
 from memfit.memory.families import family_of
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import trainable_params, trainable_value_bytes
-from memfit.strategies.engines import offload_entry, sharding_entry
+from memfit.strategies.engines import model_parallel_in_use, offload_entry, sharding_entry
 from memfit.strategies.optimizers import optimizer_entry
 from memfit.strategies.precision import precision_entry
 from memfit.strategies.quantization import quant_entry
@@ -108,10 +108,11 @@ def step_time(terms, gpu: GPU, gpus: int = 1) -> dict[str, float]:
     collectives = collectives_seconds(step)
     if collectives:
         seconds["collectives"] = collectives
-    pp = cfg.distributed.pipeline_parallel
-    seconds["launches"] = KERNEL_LAUNCH_SECONDS * KERNELS_PER_LAYER * terms.shape.layers * cfg.batch.grad_accum / max(pp, 1)
-    if pp > 1:  # GPipe bubble: (S - 1) of (M + S - 1) slots idle
-        seconds["pipeline_bubble"] = sum(seconds.values()) * (pp - 1) / cfg.batch.grad_accum
+    stages = cfg.distributed.pipeline_parallel  # each stage launches its own layers' kernels
+    seconds["launches"] = KERNEL_LAUNCH_SECONDS * KERNELS_PER_LAYER * terms.shape.layers * cfg.batch.grad_accum / stages
+    for entry, degree in model_parallel_in_use(cfg.distributed.model_dump()):
+        if entry.bubble:  # GPipe: (S - 1) of (M + S - 1) slots idle
+            seconds["pipeline_bubble"] = sum(seconds.values()) * (degree - 1) / cfg.batch.grad_accum
     return seconds
 
 
@@ -176,7 +177,7 @@ def collectives_seconds(step: _Step) -> float:
     tensor parallel's activation all-reduces."""
     shape, cfg = step.terms.shape, step.terms.cfg
     micro_batches = cfg.batch.grad_accum
-    dp, tp = step.data_parallel, cfg.distributed.tensor_parallel
+    dp = step.data_parallel
     comm = 0.0
     if dp > 1:
         engine = sharding_entry(cfg.distributed.sharding)
@@ -186,7 +187,7 @@ def collectives_seconds(step: _Step) -> float:
         comm += ring * grad_bytes * engine.gradient_traffic()
         # all-gather the parameters (16 bits) for the forward and the backward
         comm += engine.weight_gathers() * (dp - 1) / dp * step.active_params * 2 * micro_batches
-    if tp > 1:
-        tokens = tokens_of(cfg)
-        comm += 4 * shape.layers * 2 * (tp - 1) / tp * tokens * shape.hidden * 2 * micro_batches
+    for entry, degree in model_parallel_in_use(cfg.distributed.model_dump()):  # tensor parallel's activations
+        comm += (entry.all_reduces_per_layer * shape.layers * 2 * (degree - 1) / degree * tokens_of(cfg) * shape.hidden
+                 * 2 * micro_batches)
     return comm / step.link_rate if comm else 0.0

@@ -13,7 +13,7 @@ import itertools
 from memfit.config import ConfigError, RunConfig
 from memfit.config.distributed import launch_problems
 from memfit.memory.model_shape import ModelShape, adapted_linears, linear_leaf_names, model_shape
-from memfit.strategies.engines import SHARDING_ENTRIES
+from memfit.strategies.engines import MODEL_PARALLEL_ENTRIES, SHARDING_ENTRIES
 from memfit.strategies.methods import method_entry
 from memfit.strategies.optimizers import OPTIMIZER_ENTRIES
 from memfit.strategies.precision import PRECISION_ENTRIES
@@ -46,7 +46,7 @@ def families(cfg: RunConfig, gpus: int, device: str) -> list[tuple[str, dict]]:
                ("LoRA, 8-bit base", {"method": "lora", "quant.scheme": "int8"}),
                ("QLoRA", {"method": "qlora", "quant.scheme": method_entry("qlora").default_quant})]
     sharding, offload = "distributed.sharding", "distributed.offload"
-    tp, pp = "distributed.tensor_parallel", "distributed.pipeline_parallel"
+    one_rank_each = {f"distributed.{entry.name}": 1 for entry in MODEL_PARALLEL_ENTRIES}  # unless a family splits
     out = []
     for name, fields in methods:
         if gpus == 1:
@@ -60,11 +60,13 @@ def families(cfg: RunConfig, gpus: int, device: str) -> list[tuple[str, dict]]:
                    if engine.ranks and not (engine.fsdp2 and fields["quant.scheme"] != "none")
                    and not (engine.full_only and fields["method"] != "full")]
         if fields["method"] == "full":
-            engines += [("ZeRO-3 + CPU offload", {sharding: "zero3", offload: "all"}),
-                        (f"tensor parallel {gpus}", {sharding: "none", tp: gpus}),
-                        (f"pipeline parallel {gpus}", {sharding: "none", pp: gpus, "optim.max_grad_norm": None})]
+            engines.append(("ZeRO-3 + CPU offload", {sharding: "zero3", offload: "all"}))
+            engines += [(f"{entry.label} {gpus}", {sharding: "none", f"distributed.{entry.name}": gpus,
+                                                   **({"optim.max_grad_norm": None} if entry.clipping_problem else {})})
+                        for entry in MODEL_PARALLEL_ENTRIES]
         for engine, extra in engines:
-            out.append((f"{name}, {engine}", {**fields, offload: "none", tp: 1, pp: 1, **extra, **UNMODELLED_SHARDED}))
+            out.append((f"{name}, {engine}", {**fields, offload: "none", **one_rank_each, **extra,
+                                              **UNMODELLED_SHARDED}))
     return out
 
 

@@ -75,3 +75,30 @@ class OffloadEntry:
 # "params" and "all" both mean FSDP2's CPUOffloadPolicy, which moves every sharded state
 OFFLOAD_ENTRIES = (OffloadEntry("none", False), OffloadEntry("params", True), OffloadEntry("all", True))
 OFFLOADS, offload_entry = entry_lookup(OFFLOAD_ENTRIES, "distributed.offload")
+
+
+@dataclass(frozen=True)
+class ModelParallelEntry:
+    """A way to split one model over ranks that all see the same batch (`distributed.<name>`: the degree,
+    1 when off). memfit runs one at a time, without data-parallel sharding, for full fine-tuning."""
+
+    name: str                     # the config field under distributed
+    label: str                    # how the plan's table names it
+    dtensor: bool                 # its parameters are DTensors: the optimizer must run on them
+    clipping_problem: str         # why clipping by global norm cannot run across its ranks ("" = it can)
+    all_reduces_per_layer: int    # activation all-reduces per layer per micro-batch (forward + backward)
+    bubble: bool                  # a GPipe schedule: (S - 1) of (M + S - 1) slots idle
+
+
+MODEL_PARALLEL_ENTRIES = (
+    ModelParallelEntry("tensor_parallel", "tensor parallel", dtensor=True, clipping_problem="",
+                       all_reduces_per_layer=4, bubble=False),
+    ModelParallelEntry("pipeline_parallel", "pipeline parallel", dtensor=False,
+                       clipping_problem="gradient clipping across pipeline stages is not implemented",
+                       all_reduces_per_layer=0, bubble=True),
+)
+
+
+def model_parallel_in_use(degrees: dict[str, int]) -> list[tuple[ModelParallelEntry, int]]:
+    """The model-parallel entries switched on, with their degrees (`degrees`: field name -> degree)."""
+    return [(entry, degrees[entry.name]) for entry in MODEL_PARALLEL_ENTRIES if degrees[entry.name] > 1]

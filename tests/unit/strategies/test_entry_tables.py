@@ -1,9 +1,10 @@
-"""The quantized-base, method, data-parallel engine and CPU offload tables: the config's choices and `memfit plan`'s
-flags are the tables' names, and every consumer reads each entry's own numbers (the estimate, the
-speed model, the per-rank states, the search)."""
+"""The quantized-base, method, data-parallel engine, CPU offload and model-parallel tables: the config's
+choices and `memfit plan`'s flags are the tables' names, and every consumer reads each entry's own
+numbers (the estimate, the speed model, the per-rank states, the rules, the search)."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import get_args
 
@@ -20,7 +21,8 @@ from memfit.memory.model_states import weights_bytes
 from memfit.memory.search_space import families
 from memfit.memory.single_device import StrategyTerms
 from memfit.models.presets import load_preset_config
-from memfit.strategies.engines import OFFLOAD_ENTRIES, OFFLOADS, SHARDED_FROM_STAGE, SHARDING_ENTRIES, SHARDINGS
+from memfit.strategies.engines import (MODEL_PARALLEL_ENTRIES, OFFLOAD_ENTRIES, OFFLOADS, SHARDED_FROM_STAGE,
+                                      SHARDING_ENTRIES, SHARDINGS)
 from memfit.strategies.methods import METHOD_ENTRIES, METHODS
 from memfit.strategies.quantization import BNB_BLOCK, QUANT_ENTRIES, QUANT_SCHEMES
 
@@ -91,3 +93,19 @@ def test_every_offload_entry_reaches_the_rules_the_states_and_the_step_time(entr
     if entry.host_states:  # FSDP2's CPUOffloadPolicy: refused without FSDP2
         with pytest.raises(ConfigError, match="distributed.offload"):
             load_config(None, ["distributed.sharding=ddp", f"distributed.offload={entry.name}"])
+
+
+@pytest.mark.parametrize("entry", MODEL_PARALLEL_ENTRIES, ids=lambda e: e.name)
+def test_every_model_parallel_entry_reaches_the_rules_the_step_time_and_the_search(entry):
+    clip = ["optim.max_grad_norm=null"] if entry.clipping_problem else []
+    cfg = load_config(None, ["precision=bf16-mixed", f"distributed.{entry.name}=2", *clip])
+    seconds = step_time(StrategyTerms(SHAPE, cfg, "cuda"), find_gpu("h100"), 2)
+    assert ("collectives" in seconds) == (entry.all_reduces_per_layer > 0)
+    assert ("pipeline_bubble" in seconds) == entry.bubble
+    if entry.clipping_problem:
+        with pytest.raises(ConfigError, match=entry.clipping_problem):
+            load_config(None, [f"distributed.{entry.name}=2"])
+    with pytest.raises(ConfigError, match="DTensor") if entry.dtensor else contextlib.nullcontext():
+        load_config(None, [f"distributed.{entry.name}=2", "optim.name=adamw-8bit", *clip])
+    found = dict(families(cfg, gpus=2, device="cuda"))
+    assert found[f"full, {entry.label} 2"][f"distributed.{entry.name}"] == 2
