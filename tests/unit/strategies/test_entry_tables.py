@@ -1,6 +1,6 @@
-"""The quantized-base, method, data-parallel engine, CPU offload and model-parallel tables: the config's
-choices and `memfit plan`'s flags are the tables' names, and every consumer reads each entry's own
-numbers (the estimate, the speed model, the per-rank states, the rules, the search)."""
+"""Every table's names are the config's choices and `memfit plan`'s flag; and for the quantized-base, method,
+data-parallel engine, CPU offload and model-parallel tables, every consumer reads each entry's own numbers
+(the estimate, the speed model, the per-rank states, the rules, the search)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import get_args
 import pytest
 
 from memfit.cli import PLAN_OPTIONS
-from memfit.config import ConfigError, Method, Offload, Quant, Sharding, load_config
+from memfit.config import ConfigError, Method, Offload, Optimizer, Precision, Quant, Sharding, load_config
 from memfit.memory.candidates import gives_up
 from memfit.memory.costs import MEMORY_EFFICIENCY, step_time
 from memfit.memory.distributed_estimate import rank_states
@@ -24,16 +24,24 @@ from memfit.models.presets import load_preset_config
 from memfit.strategies.engines import (MODEL_PARALLEL_ENTRIES, OFFLOAD_ENTRIES, OFFLOADS, SHARDED_FROM_STAGE,
                                       SHARDING_ENTRIES, SHARDINGS)
 from memfit.strategies.methods import METHOD_ENTRIES, METHODS
+from memfit.strategies.optimizers import OPTIMIZER_ENTRIES, OPTIMIZERS
+from memfit.strategies.precision import PRECISION_ENTRIES, PRECISIONS
 from memfit.strategies.quantization import BNB_BLOCK, QUANT_ENTRIES, QUANT_SCHEMES
 
 SHAPE = model_shape(load_preset_config("meta-llama/Llama-3.2-1B"))
 
 
-@pytest.mark.parametrize("kind, names, flag", [(Quant, QUANT_SCHEMES, "quant"), (Method, METHODS, "method"),
-                                               (Sharding, SHARDINGS, "sharding")])
-def test_config_choices_and_plan_flags_are_the_table(kind, names, flag):
-    assert get_args(kind) == names
-    assert PLAN_OPTIONS[flag][1]["choices"] == list(names)
+@pytest.mark.parametrize("kind, entries, names, flag, path", [
+    (Optimizer, OPTIMIZER_ENTRIES, OPTIMIZERS, "optimizer", "optim.name"),
+    (Precision, PRECISION_ENTRIES, PRECISIONS, "precision", "precision"),
+    (Quant, QUANT_ENTRIES, QUANT_SCHEMES, "quant", "quant.scheme"),
+    (Method, METHOD_ENTRIES, METHODS, "method", "method"),
+    (Sharding, SHARDING_ENTRIES, SHARDINGS, "sharding", "distributed.sharding"),
+    (Offload, OFFLOAD_ENTRIES, OFFLOADS, "offload", "distributed.offload")],
+    ids=["optimizer", "precision", "quant", "method", "sharding", "offload"])
+def test_config_choices_and_plan_flags_are_the_table(kind, entries, names, flag, path):
+    assert get_args(kind) == names == tuple(entry.name for entry in entries)
+    assert PLAN_OPTIONS[flag][0] == path and PLAN_OPTIONS[flag][1]["choices"] == list(names)
 
 
 @pytest.mark.parametrize("entry", [e for e in QUANT_ENTRIES if e.bits], ids=lambda e: e.name)
@@ -85,7 +93,6 @@ def test_every_engine_reaches_the_per_rank_states_and_the_search(entry):
 
 @pytest.mark.parametrize("entry", OFFLOAD_ENTRIES, ids=lambda e: e.name)
 def test_every_offload_entry_reaches_the_rules_the_states_and_the_step_time(entry):
-    assert get_args(Offload) == OFFLOADS and PLAN_OPTIONS["offload"][1]["choices"] == list(OFFLOADS)
     cfg = load_config(None, ["precision=bf16-mixed", "distributed.sharding=zero3", f"distributed.offload={entry.name}"])
     rank = rank_states(SHAPE, cfg, 4)
     assert (rank.host_bytes > 0) == entry.host_states and (rank.weights == 0) == entry.host_states

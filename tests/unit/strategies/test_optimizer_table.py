@@ -1,15 +1,13 @@
-"""Each optimizer's table entry reaches every place that needs it: the config's choices, `memfit plan
---optimizer`, the trainer's optimizer, the analytic memory terms, the speed model, the checkpoint
-phase, the search and the engine rules (FSDP2/tensor parallel, DeepSpeed, backends)."""
+"""Each optimizer's table entry reaches every place that needs it (the config's choices and `memfit plan
+--optimizer`: test_entry_tables.py): the trainer's optimizer, the analytic memory terms, the speed model,
+the checkpoint phase, the search and the engine rules (FSDP2/tensor parallel, DeepSpeed, backends)."""
 
 import json
-from typing import get_args
 
 import pytest
 import torch
 
-from memfit.cli import PLAN_OPTIONS
-from memfit.config import ConfigError, Optimizer, load_config
+from memfit.config import ConfigError, load_config
 from memfit.memory.candidates import gives_up
 from memfit.memory.costs import MEMORY_EFFICIENCY, step_time
 from memfit.memory.distributed_estimate import optimizer_scratch, rank_states
@@ -21,7 +19,7 @@ from memfit.memory.model_states import gradient_bytes, optimizer_state_bytes, tr
 from memfit.memory.single_device import StrategyTerms, peak_candidates
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.presets import load_preset_config
-from memfit.strategies.optimizers import OPTIMIZER_ENTRIES, OPTIMIZERS, TrainedParams, build_optimizer
+from memfit.strategies.optimizers import OPTIMIZER_ENTRIES, TrainedParams, build_optimizer
 
 LLAMA8 = "meta-llama/Llama-3.1-8B"
 ENTRIES = pytest.mark.parametrize("entry", OPTIMIZER_ENTRIES, ids=lambda e: e.name)
@@ -30,12 +28,6 @@ ENTRIES = pytest.mark.parametrize("entry", OPTIMIZER_ENTRIES, ids=lambda e: e.na
 def _cfg(entry, *overrides):
     return load_config(None, [f"model={LLAMA8}", f"optim.name={entry.name}", "data.seq_len=512",
                               "batch.micro_batch=1", *overrides])
-
-
-def test_the_table_makes_the_config_choices_and_the_plan_flag():
-    assert get_args(Optimizer) == OPTIMIZERS == tuple(entry.name for entry in OPTIMIZER_ENTRIES)
-    path, settings = PLAN_OPTIONS["optimizer"]
-    assert path == "optim.name" and settings["choices"] == list(OPTIMIZERS)
 
 
 @ENTRIES

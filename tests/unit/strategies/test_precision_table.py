@@ -1,16 +1,14 @@
-"""Each precision's table entry reaches every place that needs it: the config's choices, `memfit plan
---precision`, the trainer's precision plan and model, the analytic memory terms, the speed model, the
-checkpoint phase and the search."""
+"""Each precision's table entry reaches every place that needs it (the config's choices and `memfit plan
+--precision`: test_entry_tables.py): the trainer's precision plan and model, the analytic memory terms,
+the speed model, the checkpoint phase and the search."""
 
 import re
-from typing import get_args
 
 import pytest
 import torch
 
 from memfit.build import build_run
-from memfit.cli import PLAN_OPTIONS
-from memfit.config import Precision, load_config
+from memfit.config import load_config
 from memfit.errors import MemfitError
 from memfit.memory.candidates import gives_up
 from memfit.memory.costs import MEMORY_EFFICIENCY, step_time
@@ -34,10 +32,7 @@ def _cfg(entry, *overrides):
                               "batch.micro_batch=1", *overrides])
 
 
-def test_the_table_makes_the_config_choices_and_the_plan_flag():
-    assert get_args(Precision) == PRECISIONS == tuple(entry.name for entry in PRECISION_ENTRIES)
-    path, settings = PLAN_OPTIONS["precision"]
-    assert path == "precision" and settings["choices"] == list(PRECISIONS)
+def test_an_unknown_precision_names_the_choices():
     with pytest.raises(MemfitError, match=re.escape("allowed: " + ", ".join(PRECISIONS))):
         make_precision("fp8-pure", CPU)
 
