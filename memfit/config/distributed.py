@@ -5,14 +5,15 @@ Two levels:
                                 (called by RunConfig's validator, so `memfit plan` and every
                                 rank see them at load time, all listed at once);
   launch_problems(cfg, world,   what needs the model's shape and torchrun's world size (heads
-                  model_config) divisible by K, layers >= S, world size = K or S...).
+                  model_config) divisible by K, layers >= S, world size = K or S, or dp x K
+                                for a 2-D mesh...).
 `check_launch` raises one DistributedSetupError listing every launch problem.
 """
 
 from __future__ import annotations
 
 from memfit.errors import MemfitError
-from memfit.strategies.engines import model_parallel_in_use, offload_entry, sharding_entry
+from memfit.strategies.engines import mesh_2d_degree, model_parallel_in_use, offload_entry, sharding_entry
 from memfit.strategies.optimizers import optimizer_entry
 from memfit.strategies.precision import precision_entry
 
@@ -35,12 +36,12 @@ def config_problems(cfg) -> list[str]:
         problems.append(f"distributed.offload: {offload} needs distributed.sharding: zero2 or zero3 (FSDP2's "
                         f"CPUOffloadPolicy); sharding is {sharding}")
     if len(parallel) > 1:
-        problems.append(f"{' and '.join(entry.name for entry in parallel)} together (2D/3D parallel) are not "
-                        "supported yet: set one of them to 1")
-    if parallel and sharding != "none":
-        problems.append(f"{parallel[0].name} > 1 with distributed.sharding: {sharding} is not supported yet: use "
-                        "distributed.sharding: none "
-                        f"(every rank is one tensor-parallel shard or pipeline stage)")
+        problems.append(f"{' and '.join(entry.name for entry in parallel)} together (a tensor x pipeline mesh) are "
+                        "not supported yet: set one of them to 1")
+    for entry in parallel:
+        if sharding != "none" and not (entry.with_fsdp2 and fsdp2):
+            problems.append(f"distributed.{entry.name} > 1 with distributed.sharding: {sharding} is not supported: "
+                            f"{entry.instead_of_sharding}")
     if parallel and cfg.method != "full":
         problems.append(f"method: {cfg.method} with tensor/pipeline parallel is not supported: use method: full, "
                         "or distributed.sharding: ddp/zero* for adapters")
@@ -63,15 +64,21 @@ def launch_problems(cfg, world_size: int, model_config=None) -> list[str]:
     """Problems that need torchrun's world size and the model's shape."""
     problems = []
     tp, pp = cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel
-    if tp > 1 and world_size != tp:
+    sharding = cfg.distributed.sharding
+    if mesh_2d_degree(cfg.distributed.model_dump(), sharding):  # a 2-D mesh: dp groups of tp ranks each
+        if world_size % tp:
+            problems.append(f"distributed.tensor_parallel: {tp} with distributed.sharding: {sharding} needs a world "
+                            f"size that {tp} divides (dp x {tp} processes, e.g. torchrun --nproc-per-node "
+                            f"{tp * max(world_size // tp, 1)}); got {world_size}")
+    elif tp > 1 and world_size != tp:
         problems.append(f"distributed.tensor_parallel: {tp} needs exactly {tp} processes (torchrun --nproc-per-node "
-                        f"{tp}); "
+                        f"{tp}), or distributed.sharding: zero2/zero3 for a 2-D mesh of {tp}-process groups; "
                         f"got {world_size}")
     if pp > 1 and world_size != pp:
         problems.append(f"distributed.pipeline_parallel: {pp} needs exactly {pp} processes (torchrun --nproc-per-node "
                         f"{pp}); "
                         f"got {world_size}")
-    if world_size > 1 and cfg.distributed.sharding == "none" and tp == 1 and pp == 1 and not cfg.distributed.deepspeed:
+    if world_size > 1 and sharding == "none" and tp == 1 and pp == 1 and not cfg.distributed.deepspeed:
         problems.append(f"{world_size} processes were started but sharding is none: set distributed.sharding: ddp "
                         "(or zero1/zero2/zero3), or start one process")
     if model_config is None:

@@ -11,7 +11,9 @@ def step_settings(cfg) -> StepSettings:
     """What the step strategies' rules read of `cfg` (a RunConfig)."""
     return StepSettings(grad_accum=cfg.batch.grad_accum, max_grad_norm=cfg.optim.max_grad_norm,
                         precision=cfg.precision, sharding=cfg.distributed.sharding,
-                        checkpointing=cfg.memory.checkpointing)
+                        checkpointing=cfg.memory.checkpointing,
+                        tensor_parallel=cfg.distributed.tensor_parallel,
+                        pipeline_parallel=cfg.distributed.pipeline_parallel)
 
 
 def strategy_options(cfg, strategy: StepStrategy) -> dict:
@@ -26,4 +28,7 @@ def step_strategy_problems(cfg) -> list[str]:
     for strategy in STEP_STRATEGIES:
         if getattr(cfg.memory, strategy.name):
             problems += strategy.rules(settings, **strategy_options(cfg, strategy))
+            if strategy.without_pipeline and settings.pipeline_parallel > 1:
+                problems.append(f"{strategy.path}: true with distributed.pipeline_parallel: "
+                                f"{settings.pipeline_parallel}: {strategy.without_pipeline}; switch one of them off")
     return problems

@@ -6,7 +6,9 @@ Resumable checkpoint (every rank takes part): `<output_dir>/checkpoints/sharded-
                       zero1 (ZeroRedundancyOptimizer) partitions and pipeline stages hold the
                       optimizer states of their own parameters only: those are stored per
                       parameter name (`optim_by_name`), each rank its own. DCP re-shards on
-                      load, so a zero1/zero2/zero3 run can resume on another number of ranks.
+                      load, so a zero1/zero2/zero3 run can resume on another number of ranks
+                      (a 2-D dp x K mesh's DTensors too: stored as global tensors, they resume
+                      on any number of dp groups of the same K).
   trainer.json        rank 0: step, data position, losses, non-finite count
   trainer.pt          rank 0: LR scheduler state and optimizer hyperparameters (loaded with
                       weights_only=True: a checkpoint never unpickles code)

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from memfit.config.distributed import check_launch
 from memfit.step import count_targets
-from memfit.strategies.engines import model_parallel_in_use
+from memfit.strategies.engines import mesh_2d_degree, model_parallel_in_use
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class DistContext:
     world_size: int = 1
     local_rank: int = 0
     dp_rank: int = 0      # which slice of each global batch this rank trains on
-    dp_size: int = 1      # ranks that see different data (1 for tensor/pipeline parallel)
+    dp_size: int = 1      # slices: 1 for tensor/pipeline parallel, world_size / K on a 2-D (dp x K) mesh
     enabled: bool = False
     backend: str = ""     # gloo (CPU) or nccl (CUDA); collectives on nccl need CUDA tensors
     owns_group: bool = False  # this run created the process group, so its end destroys it
@@ -73,9 +73,24 @@ def init_distributed(cfg, device: torch.device, model_config=None) -> DistContex
             os.environ.setdefault(key, value)  # one process asked for sharding without torchrun
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     backend = dist.get_backend()
-    model_parallel = bool(model_parallel_in_use(cfg.distributed.model_dump()))  # every rank sees the same batch
-    dp_rank, dp_size = (0, 1) if model_parallel else (rank, world)
+    dp_rank, dp_size = data_parallel_position(cfg, rank, world)
     return DistContext(rank, world, local_rank, dp_rank, dp_size, enabled=True, backend=backend, owns_group=owns_group)
+
+
+def data_parallel_position(cfg, rank: int, world_size: int) -> tuple[int, int]:
+    """(dp_rank, dp_size): which data slice `rank` trains on, of how many.
+
+    A 2-D mesh (tensor_parallel K with zero2/zero3) is `init_device_mesh(..., (world_size // K, K),
+    mesh_dim_names=("dp", "tp"))`, whose rank r sits at row r // K, column r % K: the K ranks of a
+    row form one tensor-parallel group and share a batch; the row is the data slice. Tensor or
+    pipeline parallel alone: every rank sees the same batch. Data parallel alone: one slice per rank.
+    """
+    tp = mesh_2d_degree(cfg.distributed.model_dump(), cfg.distributed.sharding)
+    if tp:
+        return rank // tp, world_size // tp
+    if model_parallel_in_use(cfg.distributed.model_dump()):
+        return 0, 1
+    return rank, world_size
 
 
 def local_device(device: torch.device, ctx: DistContext) -> torch.device:
@@ -103,29 +118,37 @@ def exit_process(code: int = 0) -> None:
 
 
 def target_count(ctx: DistContext):
-    """What each rank divides its summed token losses by: all data-parallel ranks' targets / ranks.
+    """What each rank divides its summed token losses by: all data-parallel slices' targets / slices.
 
-    The engines average gradients over ranks, so rank r's loss S_r / (G / N) averages to
-    (sum of S_r) / G: the gradient one process would get from the whole global batch.
+    The engines average gradients over the N data-parallel slices, so slice d's loss S_d / (G / N)
+    averages to (sum of S_d) / G: the gradient one process would get from the whole global batch.
     """
     if ctx.dp_size == 1:
         return count_targets
 
     def count(micro_batches: list[dict]) -> float:
-        total = ctx.scalar(float(count_targets(micro_batches)))
-        dist.all_reduce(total)
-        return float(total) / ctx.dp_size
+        return _mean_over_slices(float(count_targets(micro_batches)), ctx)
 
     return count
 
 
 def mean_over_ranks(value: float, ctx: DistContext) -> float:
-    """The step's loss as one process would report it (the mean of the data-parallel ranks' losses)."""
+    """The step's loss as one process would report it (the mean of the data-parallel slices' losses)."""
     if ctx.dp_size == 1:
         return value
+    return _mean_over_slices(value, ctx)
+
+
+def _mean_over_slices(value: float, ctx: DistContext) -> float:
+    """The mean over data slices of a value every rank of a slice holds alike (its target count, its loss).
+
+    Summed over all world_size ranks, each slice's value counts world_size / dp_size times (once
+    per rank of its tensor-parallel group; once in all on a 1-D mesh), so that sum / world_size is
+    the mean over the dp_size slices: the default group serves a 2-D mesh without a dp group.
+    """
     total = ctx.scalar(float(value))
     dist.all_reduce(total)
-    return float(total) / ctx.dp_size
+    return float(total) / ctx.world_size
 
 
 def gather_to_main(value, ctx: DistContext) -> list:

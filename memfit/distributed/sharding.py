@@ -15,9 +15,14 @@
 FSDP2 wraps each decoder block, then the root (embeddings, final norm, lm_head), so at most
 one block (two with prefetch) is unsharded at a time.
 
+2-D mesh (tensor_parallel K with zero2/zero3): `init_device_mesh(..., (N / K, K), mesh_dim_names=
+("dp", "tp"))`; tensor parallel splits each block over "tp" (memfit/distributed/tensor_parallel.py),
+then FSDP2 shards those DTensors over "dp" as above. Each group of K ranks trains on one data slice.
+
 Loading (zero2/zero3): ranks other than 0 build the model on `meta` (no bytes); rank 0 builds
 or loads it once, and `set_model_state_dict(..., broadcast_from_rank0=True)` sends each rank
-its shards. So only rank 0 ever holds a full copy, and only while loading.
+its shards (on a 2-D mesh: its part of each tensor-parallel shard). So only rank 0 ever holds a
+full copy, and only while loading.
 """
 
 from __future__ import annotations
@@ -39,7 +44,7 @@ from memfit.distributed.deepspeed_engine import loads_from_rank0
 from memfit.distributed.launch import DistContext
 from memfit.distributed.modules import decoder_blocks, place
 from memfit.distributed.pipeline import build_pipeline
-from memfit.distributed.tensor_parallel import apply_tensor_parallel
+from memfit.distributed.tensor_parallel import apply_tensor_parallel, parallelize
 from memfit.strategies.engines import model_parallel_in_use, offload_entry, sharding_entry
 
 
@@ -62,14 +67,14 @@ def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.opti
     if not ctx.enabled:
         model = place(model, device)
         return model, optimizer_factory(trainable(model))
-    if cfg.distributed.tensor_parallel > 1:
+    engine = sharding_entry(cfg.distributed.sharding)
+    if cfg.distributed.tensor_parallel > 1 and not engine.fsdp2:
         model = apply_tensor_parallel(model, cfg.distributed.tensor_parallel, device)
         return model, optimizer_factory(trainable(model))
     if cfg.distributed.pipeline_parallel > 1:
         model = build_pipeline(model, cfg, ctx, device)
         return model, optimizer_factory(trainable(model))
-    engine = sharding_entry(cfg.distributed.sharding)
-    if engine.fsdp2:
+    if engine.fsdp2:  # with tensor_parallel > 1: a 2-D mesh
         model = _fully_shard(model, cfg, ctx, device)
         return model, optimizer_factory(trainable(model))
     return _ddp(model, optimizer_factory, engine, device)
@@ -113,7 +118,7 @@ def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
     model = model.to("meta")
     if hasattr(model, "tie_weights"):  # moving to meta unties shared weights (embeddings/lm_head): tie again
         model.tie_weights()
-    mesh = init_device_mesh(device.type, (ctx.world_size,))
+    mesh = _data_parallel_mesh(model, cfg, ctx, device)
     offload = offload_entry(cfg.distributed.offload).host_states
     # pin_memory needs an accelerator; on a CPU-only machine the offload target is where the shards already are.
     policy = CPUOffloadPolicy(pin_memory=device.type == "cuda") if offload else OffloadPolicy()
@@ -135,6 +140,18 @@ def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
             dist.broadcast(buffer, src=0)
     del full_state, full_buffers
     return model
+
+
+def _data_parallel_mesh(model, cfg, ctx: DistContext, device: torch.device):
+    """The mesh FSDP2 shards over: every rank, or the "dp" dimension of a 2-D mesh, after tensor
+    parallel has split the (meta) model over its "tp" dimension (torchtitan's order: TP, then FSDP2).
+    Rank r sits at (r // K, r % K), as launch.data_parallel_position assumes when it picks the data."""
+    tp = cfg.distributed.tensor_parallel
+    if tp == 1:
+        return init_device_mesh(device.type, (ctx.world_size,))
+    mesh = init_device_mesh(device.type, (ctx.dp_size, tp), mesh_dim_names=("dp", "tp"))
+    parallelize(model, mesh["tp"])
+    return mesh["dp"]
 
 
 def initial_device(cfg, ctx: DistContext, device: torch.device) -> torch.device | None:

@@ -17,6 +17,10 @@ drops its reference at once. So rank 0 peaks at about one full copy and the othe
 shards (measured: docs/distributed.md). Buffers that `state_dict` leaves out (rotary
 `inv_freq`) are broadcast too. The ranks start with exactly rank 0's weights, i.e. a
 single-process run's random init.
+
+On a 2-D mesh (with zero2/zero3, memfit/distributed/sharding.py) `parallelize` applies the same plan
+over the mesh's "tp" dimension, FSDP2 then shards the resulting DTensors over "dp", and the weights
+arrive through FSDP2's loading instead of `load_from_rank0`.
 """
 
 from __future__ import annotations
@@ -47,11 +51,17 @@ def apply_tensor_parallel(model: torch.nn.Module, degree: int, device: torch.dev
     if hasattr(model, "tie_weights"):  # moving to meta unties shared weights (embeddings/lm_head): tie again
         model.tie_weights()
     mesh = init_device_mesh(device.type, (degree,))
+    parallelize(model, mesh)
+    load_from_rank0(model, full, mesh, device)
+    return model
+
+
+def parallelize(model: torch.nn.Module, mesh) -> None:
+    """Apply the block plan over the 1-D `mesh` (all ranks, or a 2-D mesh's "tp" dimension), and make
+    every other parameter a replicated DTensor on it. Moves no weights: on `meta` it records placements."""
     for block in decoder_blocks(model):
         parallelize_module(block, mesh, block_plan())
     _replicate_rest(model, mesh)
-    load_from_rank0(model, full, mesh, device)
-    return model
 
 
 def _named_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

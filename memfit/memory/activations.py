@@ -150,15 +150,23 @@ def attention_scores_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     return cfg.batch.micro_batch * shape.heads * cfg.data.seq_len * cfg.data.seq_len * per
 
 
-def weight_copies_bytes(shape: ModelShape, cfg: RunConfig) -> int:
-    """Under autocast every matmul keeps the 16-bit copy of its weight that it computed with
-    (needed for the input gradient); checkpointed layers recompute theirs in the backward."""
+def layer_weight_copies_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """Under autocast every matmul keeps the 16-bit copy of its weight that it computed with (needed for
+    the input gradient): one layer's, in the forward of a layer that is not checkpointed or in the
+    recompute of one that is."""
     if compute_size(cfg) == weight_size(cfg) or quantized(cfg):
         return 0
-    per_layer = shape.block_linear_params / shape.layers
+    return int(2 * shape.block_linear_params / shape.layers)
+
+
+def weight_copies_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """The 16-bit weight copies saved at the backward's start: every layer that is not checkpointed, and
+    the lm_head (checkpointed layers recompute theirs in the backward)."""
+    if not layer_weight_copies_bytes(shape, cfg):
+        return 0
     live_layers = shape.layers - checkpointed_layers(shape, cfg)
     head = shape.lm_head_params or shape.embedding_params
-    return int(2 * (per_layer * live_layers + head))
+    return int(layer_weight_copies_bytes(shape, cfg) * live_layers + 2 * head)
 
 
 def norm_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> float:

@@ -14,16 +14,16 @@ from __future__ import annotations
 from memfit.config import RunConfig
 from memfit.errors import MemfitError
 from memfit.memory.activations import loss_buffer_bytes
-from memfit.memory.distributed_estimate import node_cpu_ram, per_rank_candidates, rank_states
+from memfit.memory.distributed_estimate import (distributed, fullest_stage, node_cpu_ram, rank_model_states,
+                                               rank_shape)
 from memfit.memory.estimate import Estimate
 from memfit.memory.model_shape import ModelShape, model_shape
-from memfit.memory.model_states import optimizer_state_bytes, weights_bytes
+from memfit.memory.model_states import ModelStates, model_states, optimizer_state_bytes, weights_bytes
 from memfit.memory.phases import phase_peaks
 from memfit.memory.single_device import (ALLOCATOR_SEGMENT_BYTES, beyond_basics_terms, cpu_ram_bytes, eval_bytes,
                                          peak_candidates, runtime_overheads, strategy_host_bytes)
 from memfit.memory.tracker import CATEGORIES
 from memfit.models.loading import load_model_config
-from memfit.strategies.engines import offload_entry
 from memfit.strategies.optimizers import optimizer_entry
 
 
@@ -36,8 +36,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
     if cfg.device != device:  # terms that differ by device (the dropout mask) read cfg.device
         cfg = cfg.model_copy(update={"device": device})
     shape = model_shape(model_config)
-    moments = beyond_basics_terms(peak_candidates(shape, cfg), shape, cfg, device)
-    candidates = per_rank_candidates(moments, shape, cfg, gpus, device)  # sharded/tp/pp: distributed_estimate.py
+    candidates, states = step_moments(shape, cfg, device, gpus)
     where, by_category = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     by_category = {c: int(by_category.get(c, 0)) for c in CATEGORIES}
     paged = 0
@@ -53,9 +52,10 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
         overheads["paged_optimizer_states"] = paged
     reserved = allocated + overheads.get("cublas_workspace", 0) + overheads.get("allocator_reserve", 0)
     ram = cpu_ram_bytes(shape, cfg, device)
-    if offload_entry(cfg.distributed.offload).host_states:  # what offload took off the GPU lives in host RAM
-        ram["offloaded"] = rank_states(shape, cfg, gpus, device).host_bytes
-    ram.update(strategy_host_bytes(shape, cfg, device))  # e.g. activation_offload: the saved tensors, pinned
+    if states.host_bytes:  # what offload took off the GPU lives in host RAM
+        ram["offloaded"] = states.host_bytes
+    # e.g. activation_offload: the saved tensors, pinned
+    ram.update(strategy_host_bytes(rank_shape(shape, cfg), cfg, device))
     if device == "cpu":
         ram["training_state"] = allocated
     ram = node_cpu_ram(ram, shape, cfg, gpus, device)  # per node: every rank's runtime, data, offload
@@ -71,6 +71,16 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
     return Estimate(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved, by_category=by_category,
                     overheads=overheads, cpu_ram_bytes=int(sum(ram.values())), engine="analytic", notes=notes,
                     phases=phases)
+
+
+def step_moments(shape: ModelShape, cfg: RunConfig, device: str, gpus: int) -> tuple[dict, ModelStates]:
+    """The moments where one step can peak on one device or rank, with every step strategy's terms applied
+    (each entry's `peak`, computed on the part of the model the rank runs), and that rank's model states."""
+    if cfg.distributed.pipeline_parallel > 1:  # GPipe's own moments (the step strategies are refused there)
+        return fullest_stage(shape, cfg, device), ModelStates(0, 0, 0, 0)
+    part = rank_shape(shape, cfg)
+    states = rank_model_states(part, cfg, gpus, device) if distributed(cfg) else model_states(shape, cfg, device)
+    return beyond_basics_terms(peak_candidates(part, cfg, states), part, cfg, device), states
 
 
 def _phases(shape: ModelShape, cfg: RunConfig, reserved: int, by_category: dict, ram: dict) -> dict:

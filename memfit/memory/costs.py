@@ -185,8 +185,8 @@ def collectives_seconds(step: _Step) -> float:
         # counted at the compute dtype's size
         grad_bytes = trainable_params(shape, cfg) * precision_entry(cfg.precision).compute_bytes / step.model_parallel
         comm += ring * grad_bytes * engine.gradient_traffic()
-        # all-gather the parameters (16 bits) for the forward and the backward
-        comm += engine.weight_gathers() * (dp - 1) / dp * step.active_params * 2 * micro_batches
+        # all-gather the parameters (16 bits, each rank's tensor-parallel part) for the forward and the backward
+        comm += engine.weight_gathers() * (dp - 1) / dp * step.active_params / step.model_parallel * 2 * micro_batches
     for entry, degree in model_parallel_in_use(cfg.distributed.model_dump()):  # tensor parallel's activations
         comm += (entry.all_reduces_per_layer * shape.layers * 2 * (degree - 1) / degree * tokens_of(cfg) * shape.hidden
                  * 2 * micro_batches)

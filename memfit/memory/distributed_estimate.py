@@ -1,12 +1,17 @@
-"""Per-rank memory of a distributed run: model states and activations for ddp, zero1/2/3,
-CPU offload, tensor parallel (K) and pipeline parallel (S), as memfit/distributed runs them.
+"""Per-rank memory of a distributed run: the single-device moments (memory/single_device.py, with every
+step strategy's own terms) computed for one rank's part of the model and one rank's share of its states.
 
-Closed form, in the same categories as the single-device terms, whose model states
-(memory/model_states.py) and per-token activation and loss terms (memory/activations.py) it reuses;
-what each data-parallel engine shards and keeps gathered is its entry's (memfit/strategies/engines.py).
-N = data-parallel ranks.
+What a rank computes on:
+  tp K   the model with every block linear split K ways (q/k/v, gate/up by output features, o/down by
+         input features): K times fewer heads and K times narrower MLP, the same hidden size, embeddings,
+         norms and lm_head (replicated). Its activations and the step strategies' terms follow from that
+         narrower shape (`rank_shape`), as do its weights, gradients and optimizer states.
+  pp S   rank s: its blocks (+ embeddings on the first, norm + lm_head on the last; a tied lm_head is a
+         second copy there); GPipe keeps the activations of every pipeline micro-batch of the step
+         (micro_batch sequences padded to seq_len) until the backward (`pipeline_moments`).
+Every other engine runs the whole model on its own micro-batch: its activations are one device's.
 
-Model states per rank (W weights, G gradients, O optimizer states of one process):
+Model states per rank (W weights, G gradients, O optimizer states of that shape; N = data-parallel ranks):
   ddp    W + G + O; DDP's gradient buckets (gradients are views into them) stay allocated
          between steps, so G counts at every moment, not only after the backward.
   zero1  W + G (buckets) + O/N                        ZeroRedundancyOptimizer
@@ -14,55 +19,36 @@ Model states per rank (W weights, G gradients, O optimizer states of one process
          (unsharded) weights stay: + W at the backward's start   FSDP2 reshard_after_forward=False
   zero3  W/N + G/N + O/N; gathered: the root (embeddings, norm, lm_head) + 2 blocks (the one
          computing and the one prefetched)                       FSDP2 reshard_after_forward=True
-  FSDP2 also holds one block's flat all-gather output while copying it out (+1 block).
+  FSDP2 also holds one block's flat all-gather output while copying it out (+1 block), in a block's
+         backward its unsharded gradients until they are reduce-scattered, and under full fine-tuning the
+         root's unsharded gradients until the backward's end, when they are reduce-scattered (`backward_end`).
   offload (params/all, FSDP2 CPUOffloadPolicy): the sharded W, G, O live in host RAM; on a
          CUDA device only the gathered blocks remain. On a CPU device nothing moves.
-  tp K   block linears split K ways (weights, grads, states, and the head/MLP-width
-         activations); embeddings, norms, lm_head and hidden-size activations replicated.
-  pp S   rank s: its blocks (+ embeddings on the first, norm + lm_head on the last; a tied
-         lm_head is a second copy there); GPipe keeps the activations of every pipeline
-         micro-batch of the step (micro_batch sequences padded to seq_len) until the backward.
+  tp K x zero2/zero3 (a 2-D mesh): the tp shape's states, sharded over the N = GPUs / K data-parallel ranks.
+The optimizer step's scratch is that of the rank's trainable values (memory/model_states.py).
 
-Peak = the largest of these moments: the backward's start (activations, loss buffers, gathered
-weights), for pipelines the end of the first pipeline micro-batch's backward, and the optimizer step (all gradients + the optimizer's scratch: on CUDA torch's
-foreach kernels take one copy of the parameters; on CPU the per-tensor loop ~4 x the largest
-tensor). Validated against the tracker on 2 gloo ranks in tests/integration/test_distributed.py.
+Validated against the tracker rank by rank on 2 gloo ranks (4 for 2-D meshes): bench/rank_matrix.py,
+tests/integration/test_rank_matrix.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import dataclasses
 
 from memfit.distributed.pipeline import stage_blocks
-from memfit.memory.activations import (attention_scores_bytes, activation_bytes, layer_bytes, layer_bytes_per_token,
-                                       layer_gradient_buffers, loss_bytes, tokens_of)
-from memfit.memory.model_shape import adapted_linears, trainable_value_bytes
-from memfit.memory.model_states import compute_size, gradient_bytes, optimizer_state_bytes, weight_size, weights_bytes
+from memfit.memory.activations import layer_bytes, layer_gradient_buffers, loss_bytes, tokens_of
+from memfit.memory.model_shape import ATTENTION_OUTPUT, MLP_OUTPUT, ModelShape
+from memfit.memory.model_states import (ModelStates, gradient_bytes, largest_param_bytes, optimizer_scratch,
+                                        optimizer_state_bytes, weight_size, weights_bytes)
 from memfit.strategies.engines import offload_entry, sharding_entry
-from memfit.strategies.optimizers import optimizer_entry
 
-CPU_OPTIMIZER_SCRATCH_TENSORS = 4  # torch's single-tensor AdamW: ~4 temporaries of the tensor updated
-
-
-@dataclass
-class RankStates:
-    """One rank's bytes, by what holds them."""
-
-    weights: int
-    gradients: int                  # when every gradient exists (after the backward)
-    optimizer_states: int
-    persistent_gradients: int = 0   # allocated at every moment (DDP buckets)
-    gathered_weights: int = 0       # FSDP2 unsharded weights alive at the backward's start
-    gather_buffer: int = 0          # FSDP2 flat all-gather output (one block)
-    host_bytes: int = 0             # offloaded to CPU RAM
-    notes: list[str] = field(default_factory=list)
+ROW_SPLIT = (ATTENTION_OUTPUT, MLP_OUTPUT)  # tensor parallel splits these by input features, the rest by output
 
 
-def _counts(shape) -> tuple[int, int, int]:
-    """(params of one block, params outside the blocks, params of one block's linears)."""
-    root = shape.embedding_params + shape.lm_head_params + shape.hidden  # + final norm
-    block = (shape.total_params - root) // max(shape.layers, 1)
-    return block, root, shape.block_linear_params // max(shape.layers, 1)
+def distributed(cfg) -> bool:
+    """More than one process holds the model: a data-parallel engine, tensor or pipeline parallel."""
+    d = cfg.distributed
+    return d.sharding != "none" or d.tensor_parallel > 1 or d.pipeline_parallel > 1
 
 
 def data_parallel_ranks(cfg, gpus: int) -> int:
@@ -70,35 +56,50 @@ def data_parallel_ranks(cfg, gpus: int) -> int:
     return max(gpus // (cfg.distributed.tensor_parallel * cfg.distributed.pipeline_parallel), 1)
 
 
-def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> RankStates:
-    """Model-state bytes on one rank (stage: which pipeline stage, 0 = first)."""
-    weights, grads, states = (weights_bytes(shape, cfg), gradient_bytes(shape, cfg),
-                              optimizer_state_bytes(shape, cfg))
-    size = weights / max(shape.total_params, 1)  # bytes per weight
-    block, root, block_linear = _counts(shape)
+def rank_shape(shape: ModelShape, cfg) -> ModelShape:
+    """The part of the model one tensor-parallel rank computes (the shape itself when K = 1)."""
+    k = cfg.distributed.tensor_parallel
+    if k == 1:
+        return shape
+    roles = tuple((path, role, i // k if role in ROW_SPLIT else i, o if role in ROW_SPLIT else o // k)
+                  for path, role, i, o in shape.roles)
+    split = {path: (i, o) for path, _, i, o in roles}
+
+    def leaf(name: str) -> tuple[int, int] | None:
+        return next((io for path, io in split.items() if name.endswith("." + path)), None)
+
+    linear = tuple((name, *(leaf(name) or (i, o))) for name, i, o in shape.linear)
+    block_linears = sum(i * o for _, i, o in linear)
+    return dataclasses.replace(
+        shape, q_dim=shape.q_dim // k, kv_dim=shape.kv_dim // k, heads=shape.heads // k,
+        intermediate=shape.intermediate // k, linear=linear, roles=roles,
+        total_params=shape.total_params - shape.block_linear_params + block_linears)
+
+
+def _counts(shape: ModelShape) -> tuple[int, int]:
+    """(params of one block, params outside the blocks)."""
+    root = shape.embedding_params + shape.lm_head_params + shape.hidden  # + final norm
+    return (shape.total_params - root) // max(shape.layers, 1), root
+
+
+def _share(nbytes: int, ranks: int) -> int:
+    return -(-nbytes // ranks)
+
+
+def rank_model_states(shape: ModelShape, cfg, gpus: int, device: str = "cuda") -> ModelStates:
+    """One data-parallel rank's model states (`shape`: the part of the model it computes, `rank_shape`)."""
+    weights, grads, states = weights_bytes(shape, cfg), gradient_bytes(shape, cfg), optimizer_state_bytes(shape, cfg)
+    largest = largest_param_bytes(shape, cfg)
     n = data_parallel_ranks(cfg, gpus)
-    if cfg.distributed.tensor_parallel > 1:
-        k = cfg.distributed.tensor_parallel
-        kept = (shape.total_params - shape.layers * block_linear * (1 - 1 / k)) / shape.total_params
-        return RankStates(int(weights * kept), int(grads * kept), int(states * kept),
-                          notes=[f"tensor parallel {k}: block linears split {k} ways"])
-    if cfg.distributed.pipeline_parallel > 1:
-        s = cfg.distributed.pipeline_parallel
-        blocks = len(stage_blocks(shape.layers, s, stage))
-        params = blocks * block + (shape.embedding_params if stage == 0 else 0)
-        if stage == s - 1:  # final norm + lm_head (its own copy when tied to the embeddings)
-            params += shape.hidden + (shape.lm_head_params or shape.embedding_params)
-        kept = params / shape.total_params
-        return RankStates(int(weights * kept), int(grads * kept), int(states * kept),
-                          notes=[f"pipeline stage {stage} of {s}: {blocks} blocks"])
     engine = sharding_entry(cfg.distributed.sharding)
     if not engine.fsdp2:  # one process, DDP, ZeRO-1: DDP's gradient buckets stay allocated
-        return RankStates(*engine.split(weights, grads, states, n),
-                          persistent_gradients=grads if engine.gradient_buckets else 0)
+        w, g, o = engine.split(weights, grads, states, n)
+        return ModelStates(w, g, o, optimizer_scratch(cfg, device, g, largest),
+                           persistent_gradients=grads if engine.gradient_buckets else 0)
     # FSDP2 shards every state at rest (zero2 as well); the stages differ in what stays gathered
-    out = RankStates(*engine.split(weights, grads, states, n, at_rest=True))
-    gathered = int((root + 2 * block) * size) if engine.reshard_after_forward else weights
-    out.gathered_weights, out.gather_buffer = gathered, int(block * size)
+    w, g, o = engine.split(weights, grads, states, n, at_rest=True)
+    out = ModelStates(w, g, o, optimizer_scratch(cfg, device, g, _share(largest, n)))
+    out.beside = fsdp2_gathered(shape, weights, grads, engine.reshard_after_forward, cfg.method == "full", n)
     if offload_entry(cfg.distributed.offload).host_states and device == "cuda":
         out.host_bytes = out.weights + out.gradients + out.optimizer_states
         out.weights = out.gradients = out.optimizer_states = 0
@@ -106,82 +107,80 @@ def rank_states(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> 
     return out
 
 
-def rank_activations(shape, cfg, stage: int = 0) -> int:
-    """Activation bytes at the backward's start on one rank."""
-    acts = activation_bytes(shape, cfg)
-    if cfg.distributed.tensor_parallel > 1:
-        k = cfg.distributed.tensor_parallel
-        layer = layer_bytes(shape, cfg)
-        per_token = layer_bytes_per_token(shape, cfg)
-        # split tensors per token: q, k, v, attention output (head width), MLP gate/up/act/product (MLP width)
-        c = compute_size(cfg)
-        split = min((2 * shape.q_dim + 2 * shape.kv_dim + 4 * shape.intermediate) * c, per_token)
-        tokens = tokens_of(cfg)
-        saved = shape.layers * (split * tokens + attention_scores_bytes(shape, cfg)) * (1 - 1 / k)
-        return int(acts - min(saved, shape.layers * layer))
-    if cfg.distributed.pipeline_parallel > 1:
-        s = cfg.distributed.pipeline_parallel
-        blocks = len(stage_blocks(shape.layers, s, stage))
-        layer = layer_bytes(shape, cfg)
-        hidden_in = tokens_of(cfg) * shape.hidden * weight_size(cfg)
-        out = blocks * layer + hidden_in  # + the stage's received (or embedded) input
-        if stage == s - 1:  # logits and the fp32 log-softmax of every pipeline micro-batch
-            out += 2 * loss_bytes(shape, cfg)
-        return int(out)
-    return acts
+def fsdp2_gathered(shape: ModelShape, weights: int, grads: int, reshard: bool, full: bool, ranks: int) -> dict:
+    """What FSDP2 holds beside the shards at each moment, by the tracker's category: weights gathered in the
+    forward that outlive it are activations, those gathered again for the backward (and one block's flat
+    all-gather output) temporaries, a block's unsharded gradients (until reduce-scattered) gradients.
+
+    zero3 (reshard): the root (kept from the forward to the backward) and 2 blocks (the one computing and the
+    one prefetched); zero2: every weight from the forward until each block's backward has used it.
+    Full fine-tuning: the root's gradients stay unsharded until the backward's end (the lm_head's from the
+    loss on), when the root is reduce-scattered: its unsharded gradients, their flat copy and this rank's
+    share of the result (`backward_end`)."""
+    block, root = _counts(shape)
+    size = weights / max(shape.total_params, 1)
+    block_weights, root_weights = int(block * size), int(root * size)
+    block_grads = grads // max(shape.layers, 1)
+    grad_size = grads / max(shape.total_params, 1) if full else 0
+    head_grads = int((shape.lm_head_params or shape.embedding_params) * grad_size)
+    root_grads = int(root * grad_size)
+    end = {"backward_end": {"temporaries": 2 * root_grads + root_grads // ranks}} if full else {}
+    if reshard:
+        blocks = 2 * block_weights
+        return {"backward_start": {"activations": root_weights, "temporaries": blocks + block_weights},
+                "backward_last": {"activations": root_weights, "temporaries": blocks + head_grads,
+                                  "gradients": block_grads},
+                "backward_first": {"activations": root_weights, "temporaries": blocks + head_grads,
+                                   "gradients": block_grads}} | end
+    return {"backward_start": {"activations": weights, "temporaries": block_weights},
+            "backward_last": {"activations": weights, "temporaries": head_grads, "gradients": block_grads},
+            "backward_first": {"activations": root_weights + block_weights, "temporaries": head_grads,
+                               "gradients": block_grads}} | end
 
 
-def _largest_tensor_bytes(shape, cfg, gpus: int) -> int:
-    size = trainable_value_bytes(cfg)
-    if cfg.method != "full":
-        return max((cfg.lora.rank * max(i, o) for _, i, o in adapted_linears(shape, cfg)), default=0) * 4
-    largest = shape.largest_tensor_params
-    if cfg.distributed.tensor_parallel > 1:
-        largest = max(shape.embedding_params, shape.lm_head_params,
-                      shape.largest_linear_params // cfg.distributed.tensor_parallel)
-    if sharding_entry(cfg.distributed.sharding).fsdp2:  # each rank steps its shard of every tensor
-        largest = -(-largest // data_parallel_ranks(cfg, gpus))
-    return largest * size
+def stage_states(shape: ModelShape, cfg, stage: int, device: str) -> ModelStates:
+    """Pipeline stage `stage`'s model states: its blocks, the embeddings on the first, norm and lm_head
+    on the last (its own copy when tied to the embeddings)."""
+    s = cfg.distributed.pipeline_parallel
+    block, _ = _counts(shape)
+    params = len(stage_blocks(shape.layers, s, stage)) * block + (shape.embedding_params if stage == 0 else 0)
+    if stage == s - 1:
+        params += shape.hidden + (shape.lm_head_params or shape.embedding_params)
+    kept = params / shape.total_params
+    grads = int(gradient_bytes(shape, cfg) * kept)
+    return ModelStates(int(weights_bytes(shape, cfg) * kept), grads, int(optimizer_state_bytes(shape, cfg) * kept),
+                       optimizer_scratch(cfg, device, grads, largest_param_bytes(shape, cfg)),
+                       notes=[f"pipeline stage {stage} of {s}"])
 
 
-def optimizer_scratch(shape, cfg, states: RankStates, device: str, gpus: int) -> int:
-    if not optimizer_entry(cfg.optim.name).foreach_scratch:  # 8-bit and Lion steps update block by block
-        return 0
-    if device == "cuda":  # foreach kernels: one scratch copy of the rank's trainable parameters
-        return states.gradients
-    return CPU_OPTIMIZER_SCRATCH_TENSORS * _largest_tensor_bytes(shape, cfg, gpus)
-
-
-def rank_moments(shape, cfg, gpus: int, device: str = "cuda", stage: int = 0) -> dict[str, dict[str, int]]:
-    """Bytes per category on one rank at the two moments that can peak."""
-    st = rank_states(shape, cfg, gpus, device, stage)
-    acts = rank_activations(shape, cfg, stage)
-    loss_buffers = 0 if cfg.distributed.pipeline_parallel > 1 else 2 * loss_bytes(shape, cfg)
+def pipeline_moments(shape: ModelShape, cfg, device: str, stage: int) -> dict[str, dict[str, int]]:
+    """Bytes per category on pipeline stage `stage` at the moments that can peak. GPipe runs every pipeline
+    micro-batch's forward, then their backwards: at the first backward's start every micro-batch's activations
+    are alive (and on the last stage their logits and log-softmax); after the first micro-batch's backward every
+    gradient of the stage exists, with the other micro-batches' activations and one micro-batch's buffers."""
+    s = cfg.distributed.pipeline_parallel
+    st = stage_states(shape, cfg, stage, device)
+    last = stage == s - 1
+    acts = len(stage_blocks(shape.layers, s, stage)) * layer_bytes(shape, cfg)
+    acts += tokens_of(cfg) * shape.hidden * weight_size(cfg)  # the stage's received (or embedded) input
+    if last:
+        acts += 2 * loss_bytes(shape, cfg)
+    n = cfg.batch.micro_batch
+    one = cfg.updated({"batch.micro_batch": 1})
     base = dict(weights=st.weights, optimizer_states=st.optimizer_states)
-    moments = {}
-    if cfg.distributed.pipeline_parallel > 1:
-        # GPipe, after the first pipeline micro-batch's backward: every gradient of the stage exists,
-        # the other micro-batches' activations still wait, plus one micro-batch's backward buffers.
-        n = cfg.batch.micro_batch
-        one = cfg.updated({"batch.micro_batch": 1})
-        last = stage == cfg.distributed.pipeline_parallel - 1
-        moments["pipeline_backward"] = dict(
-            base, gradients=st.gradients, activations=acts * (n - 1) // n,
-            temporaries=layer_gradient_buffers(shape, one) + (2 * loss_bytes(shape, one) if last else 0))
-    return moments | {
-        "backward_start": dict(base, gradients=st.persistent_gradients, activations=acts + st.gathered_weights,
-                               temporaries=loss_buffers + st.gather_buffer),
-        "optimizer_step": dict(base, gradients=max(st.gradients, st.persistent_gradients), activations=0,
-                               temporaries=optimizer_scratch(shape, cfg, st, device, gpus)),
+    return {
+        "pipeline_backward": dict(base, gradients=st.gradients, activations=int(acts) * (n - 1) // n,
+                                  temporaries=layer_gradient_buffers(shape, one)
+                                  + (2 * loss_bytes(shape, one) if last else 0)),
+        "backward_start": dict(base, gradients=0, activations=int(acts), temporaries=0),
+        "optimizer_step": dict(base, gradients=st.gradients, activations=0, temporaries=st.optimizer_scratch),
     }
 
 
-def per_rank_candidates(candidates: dict, shape, cfg, gpus: int, device: str = "cuda") -> dict:
-    """For analytic.analytic_estimate: replace its moments by the per-rank ones when distributed."""
-    if cfg.distributed.sharding == "none" and cfg.distributed.tensor_parallel == 1 and cfg.distributed.pipeline_parallel == 1:
-        return candidates
-    stages = [rank_moments(shape, cfg, gpus, device, stage) for stage in range(cfg.distributed.pipeline_parallel)]
-    return max(stages, key=lambda moments: max(sum(c.values()) for c in moments.values()))  # the fullest stage
+def fullest_stage(shape: ModelShape, cfg, device: str) -> dict[str, dict[str, int]]:
+    """The moments of the pipeline stage whose peak is largest."""
+    stages = [pipeline_moments(shape, cfg, device, stage) for stage in range(cfg.distributed.pipeline_parallel)]
+    return max(stages, key=lambda moments: max(sum(c.values()) for c in moments.values()))
 
 
 # --- DeepSpeed's published ZeRO formulas, for docs/distributed.md ---------------------------------

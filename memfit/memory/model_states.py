@@ -4,6 +4,7 @@ the element sizes every analytic term reads from the run's precision and quantiz
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 from memfit.config import RunConfig
 from memfit.memory.model_shape import ModelShape, adapted_linears, lora_params, trainable_params, trainable_value_bytes
@@ -73,12 +74,48 @@ def optimizer_state_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     return optimizer_entry(cfg.optim.name).states(trained_params(shape, cfg))
 
 
-def optimizer_scratch(shape: ModelShape, cfg: RunConfig) -> int:
-    """torch's foreach steps (AdamW, SGD, Adafactor) build one scratch copy of the trainable parameters
-    (e.g. Adam's denominator); bitsandbytes/torchao 8-bit optimizers update block by block."""
-    if optimizer_entry(cfg.optim.name).foreach_scratch:
-        return trainable_params(shape, cfg) * trainable_value_bytes(cfg)
-    return 0
+# torch's single-tensor AdamW loop keeps 2 temporaries of the tensor it updates (measured with bench/rank_matrix.py
+# on a 124.7M-parameter Llama: 187.5 MiB at the optimizer step, twice its 93.75 MiB embedding matrix)
+CPU_OPTIMIZER_SCRATCH_TENSORS = 2
+
+
+def optimizer_scratch(cfg: RunConfig, device: str, trainable_bytes: int, largest_tensor_bytes: int) -> int:
+    """The optimizer step's temporaries. On CUDA torch's foreach kernels build one scratch copy of the
+    trainable parameters (e.g. Adam's denominator); on the CPU (no foreach kernels) it steps one tensor at
+    a time, ~4 temporaries of the largest; bitsandbytes/torchao 8-bit optimizers and Lion update block by
+    block."""
+    if not optimizer_entry(cfg.optim.name).foreach_scratch:
+        return 0
+    return trainable_bytes if device == "cuda" else CPU_OPTIMIZER_SCRATCH_TENSORS * largest_tensor_bytes
+
+
+@dataclass
+class ModelStates:
+    """One process's model-state bytes and when it holds them. One device holds every state all the time;
+    memory/distributed_estimate.py gives a rank's share and what its engine holds beside it."""
+
+    weights: int
+    gradients: int                  # every trainable gradient, once the backward has made them
+    optimizer_states: int
+    optimizer_scratch: int          # the optimizer step's temporaries
+    persistent_gradients: int = 0   # allocated at every moment (DDP's gradient buckets)
+    beside: dict = field(default_factory=dict)  # moment -> {category: bytes} the engine holds then (FSDP2's
+                                                # gathered weights and gradient buffers)
+    host_bytes: int = 0             # offloaded to host RAM
+    notes: list = field(default_factory=list)
+
+
+def model_states(shape: ModelShape, cfg: RunConfig, device: str) -> ModelStates:
+    """The model states of a run on one device."""
+    grads = gradient_bytes(shape, cfg)
+    return ModelStates(weights_bytes(shape, cfg), grads, optimizer_state_bytes(shape, cfg),
+                       optimizer_scratch(cfg, device, grads, largest_param_bytes(shape, cfg)))
+
+
+def head_gradient_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """The gradient of the lm_head (of the embeddings, when tied), when it trains."""
+    trained = cfg.method == "full" or getattr(cfg.lora, "train_lm_head", False)
+    return (shape.lm_head_params or shape.embedding_params) * trainable_value_bytes(cfg) if trained else 0
 
 
 def largest_param_bytes(shape: ModelShape, cfg: RunConfig) -> int:

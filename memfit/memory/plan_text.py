@@ -68,7 +68,10 @@ def search_lines(result: Plan) -> list[str]:
                   f"{chosen.estimate.peak_reserved_bytes / 2**30:.2f}"
                   f" + CUDA context), CPU RAM {chosen.estimate.cpu_ram_bytes / 2**30:.2f} GiB, "
                   f"~{chosen.step_seconds:.2f} s per step ({chosen.tokens_per_second:,.0f} tokens/s predicted), "
-                  f"gives up: {'; '.join(chosen.gives_up) or 'nothing'}"]
+                  f"gives up: {'; '.join(chosen.gives_up) or 'nothing'}",
+                  f"  at its peak{' (each GPU)' if result.gpus > 1 else ''}: "
+                  + ", ".join(f"{name.replace('_', ' ')} {value / 2**30:.2f} GiB"
+                              for name, value in chosen.estimate.by_category.items())]
         if found.max_seq_len is not None:
             lines.append(f"  longest seq_len that fits this plan at micro_batch 1: {_count(found.max_seq_len)}"
                          + _position_cap(result.cfg, found.max_seq_len))

@@ -25,8 +25,8 @@ from memfit.memory.distributed_estimate import data_parallel_ranks
 from memfit.memory.fits import FitRule, default_margin, largest_that_fits
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import ModelShape, model_shape
-from memfit.memory.search_space import (SEARCHED, families, family_members, fixed_values, leanest_updates, member_config,
-                                        sequences_per_step, tried_values, with_forced)
+from memfit.memory.search_space import (SEARCHED, families, family_members, fixed_values, lean_member, leanest_updates,
+                                        member_config, sequences_per_step, tried_values, with_forced)
 from memfit.memory.single_device import StrategyTerms
 from memfit.strategies.table import STEP_STRATEGIES
 from memfit.units import format_bytes
@@ -135,7 +135,8 @@ def search(base: RunConfig, model_config, budget: int, gpu: GPU, gpus: int = 1, 
             given = ", ".join(f"{k}={v}" for k, v in fixed.items() if k in family and family[k] != v)
             results.append(FamilyResult(name, False, f"excluded by your option(s) {given}"))
             continue
-        built = [member_config(base, update, model_config, gpus) for update in leanest_updates(base, family, fixed, device, shape)]
+        built = [lean_member(base, update, model_config, gpus, fixed)
+                 for update in leanest_updates(base, family, fixed, device, shape)]
         lean = [scorer.memory(cfg, name) for cfg in built if isinstance(cfg, RunConfig)]
         if not lean:
             results.append(FamilyResult(name, False, f"not runnable: {built[0][0]}"))
@@ -198,7 +199,8 @@ def seq_len_ladder(start: RunConfig, scorer: _Scorer, family: str, high: int, fi
                    device: str) -> list[Rung]:
     """What each memory saver buys in context length: `start` (micro_batch 1) with checkpointing and
     every step strategy off, then the savers switched on one after another: checkpointing, then the
-    step strategies in the strategy table's order. Savers the user fixed stay as given."""
+    step strategies in the strategy table's order. Savers the user fixed stay as given; a saver that buys no
+    length here (the optimizer in the backward under LoRA, whose gradients are small) is left out."""
     savers = {} if "memory.checkpointing" in fixed else {"checkpointing full": {"memory.checkpointing": "full"}}
     shape = model_shape(model_config)
     savers |= {strategy.name.replace("_", " "): {strategy.path: True} for strategy in STEP_STRATEGIES
@@ -214,11 +216,13 @@ def seq_len_ladder(start: RunConfig, scorer: _Scorer, family: str, high: int, fi
         longest, best = _longest(cfg, scorer, family, high)
         return Rung(added, longest, scorer.timed(best) if best else None)
 
-    ladder = [rung("none of them", current)]
+    ladder = [r for r in [rung("none of them", current)] if r is not None]
     for name, update in savers.items():
-        current |= update
-        ladder.append(rung(f"+ {name}", current))
-    return [r for r in ladder if r is not None]
+        step = rung(f"+ {name}", current | update)
+        if step is not None and (not ladder or step.max_seq_len > ladder[-1].max_seq_len):
+            current |= update
+            ladder.append(step)
+    return ladder
 
 
 def _lean_like(best: RunConfig, lean: RunConfig) -> RunConfig:

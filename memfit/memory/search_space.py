@@ -21,6 +21,7 @@ from memfit.strategies.quantization import quantized_base_shape_problem
 from memfit.strategies.table import STEP_STRATEGIES
 
 CHECKPOINTING = ("none", "every-4", "every-2", "full")
+MESH_2D_DEGREES = (2, 4, 8)  # tensor parallel inside a node of up to 8 GPUs, FSDP2 across the rest
 OPTIMIZERS_SEARCHED = tuple(entry.name for entry in OPTIMIZER_ENTRIES if entry.searched)
 # the leanest pre-check tries these: no one optimizer keeps the fewest bytes for every model
 OPTIMIZERS_LEAN = tuple(entry.name for entry in OPTIMIZER_ENTRIES if entry.lean)
@@ -35,8 +36,6 @@ SEARCHED = ("method", "quant.scheme", "precision", "optim.name", "memory.checkpo
             *(f"memory.{option}" for strategy in STEP_STRATEGIES for option in strategy.searched_options),
             "distributed.sharding", "distributed.offload",
             "distributed.tensor_parallel", "distributed.pipeline_parallel", "optim.max_grad_norm")
-# the per-rank estimate (memory/distributed_estimate.py) does not model these yet: off in sharded families
-UNMODELLED_SHARDED = {strategy.path: False for strategy in STEP_STRATEGIES if not strategy.sharded_estimate}
 
 
 def families(cfg: RunConfig, gpus: int, device: str) -> list[tuple[str, dict]]:
@@ -53,7 +52,7 @@ def families(cfg: RunConfig, gpus: int, device: str) -> list[tuple[str, dict]]:
             out.append((name, {**fields, sharding: "none", offload: "none"}))
             if fields["method"] == "full" and device == "cuda":
                 out.append((name + " + CPU offload (FSDP2, one process)",
-                            {**fields, sharding: "zero3", offload: "all", **UNMODELLED_SHARDED}))
+                            {**fields, sharding: "zero3", offload: "all"}))
             continue
         # FSDP2 cannot shard quantized weights (the config's rule); ZeRO-1 saves adapters nothing worth its step
         engines = [(engine.label, {sharding: engine.name}) for engine in SHARDING_ENTRIES
@@ -64,9 +63,12 @@ def families(cfg: RunConfig, gpus: int, device: str) -> list[tuple[str, dict]]:
             engines += [(f"{entry.label} {gpus}", {sharding: "none", f"distributed.{entry.name}": gpus,
                                                    **({"optim.max_grad_norm": None} if entry.clipping_problem else {})})
                         for entry in MODEL_PARALLEL_ENTRIES]
+            engines += [(f"{engine.label} x {entry.label} {k}", {sharding: engine.name, f"distributed.{entry.name}": k})
+                        for entry in MODEL_PARALLEL_ENTRIES if entry.with_fsdp2
+                        for k in MESH_2D_DEGREES if k < gpus and gpus % k == 0
+                        for engine in SHARDING_ENTRIES if engine.fsdp2]
         for engine, extra in engines:
-            out.append((f"{name}, {engine}", {**fields, offload: "none", **one_rank_each, **extra,
-                                              **UNMODELLED_SHARDED}))
+            out.append((f"{name}, {engine}", {**fields, offload: "none", **one_rank_each, **extra}))
     return out
 
 
@@ -136,6 +138,18 @@ def member_config(base: RunConfig, update: dict, model_config, gpus: int) -> Run
     if gpus > 1 or cfg.distributed.tensor_parallel > 1 or cfg.distributed.pipeline_parallel > 1:
         return launch_problems(cfg, gpus, model_config) or cfg
     return cfg
+
+
+def lean_member(base: RunConfig, update: dict, model_config, gpus: int, fixed: dict) -> RunConfig | list[str]:
+    """A leanest update as member_config checks it; where the engine refuses step strategies it switches on
+    (their problems name them), the same update with those off, unless the user fixed them."""
+    built = member_config(base, update, model_config, gpus)
+    if isinstance(built, RunConfig):
+        return built
+    refused = {strategy.path: False for strategy in STEP_STRATEGIES
+               if update.get(strategy.path) and strategy.path not in fixed
+               and any(strategy.path in problem for problem in built)}
+    return member_config(base, {**update, **refused}, model_config, gpus) if refused else built
 
 
 def family_members(base: RunConfig, family: dict, fixed: dict, sequences: int, device: str, shape: ModelShape):

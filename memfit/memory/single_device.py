@@ -12,13 +12,15 @@ from memfit.config import RunConfig
 from memfit.config.step_rules import strategy_options
 from memfit.data.ram import estimate_data_ram_bytes
 from memfit.memory.activations import (activation_bytes, attention_scores_bytes, chunk_bytes, checkpointed_layers,
-                                       dequant_bytes, head_bytes, layer_bytes, layer_gradient_buffers, loss_bytes,
+                                       dequant_bytes, head_bytes, layer_bytes, layer_gradient_buffers,
+                                       layer_weight_copies_bytes, loss_bytes,
                                        mlp_gradient_buffers, mlp_input_bytes_per_token, mlp_saved_bytes_per_token,
                                        mlp_width, tokens_of)
 from memfit.memory.families import family_of
 from memfit.memory.model_shape import ModelShape
-from memfit.memory.model_states import (compute_size, gradient_bytes, half_weights, largest_param_bytes,
-                                        optimizer_scratch, optimizer_state_bytes, weight_size, weights_bytes)
+from memfit.memory.model_states import (ModelStates, compute_size, gradient_bytes, half_weights, head_gradient_bytes,
+                                        largest_param_bytes, optimizer_scratch, optimizer_state_bytes, weight_size,
+                                        weights_bytes)
 from memfit.strategies.loss import auto_chunk_tokens
 from memfit.strategies.table import STEP_STRATEGIES
 
@@ -35,43 +37,53 @@ CUDA_HOST_BYTES = 1 * GiB            # assumed host RSS of the CUDA runtime and 
                                      # bench/gpu_validate.py records the real process RSS)
 
 
-def peak_candidates(shape: ModelShape, cfg: RunConfig) -> dict[str, dict[str, int]]:
+def peak_candidates(shape: ModelShape, cfg: RunConfig, states: ModelStates) -> dict[str, dict[str, int]]:
     """Bytes per category at the moments where a step can peak; the largest total is the peak.
 
     backward_start  all activations + the loss gradient (d log-softmax and d logits, fp32 T x V)
     backward_last   the last layer's backward: the log-softmax output is freed, that layer's MLP
-                    gradient buffers (and, if checkpointed, its recomputed activations) are alive
+                    gradient buffers (and, if checkpointed, its recomputed activations) are alive, and
+                    under full fine-tuning the lm_head's gradient
     backward_first  the first layer's backward: only its activations remain, nearly all gradients exist
     optimizer_step  weights + gradients + states + the optimizer's scratch
-    Under gradient accumulation, the gradients of earlier micro-batches are alive throughout."""
+    Under gradient accumulation, the gradients of earlier micro-batches are alive throughout. `states`:
+    one device's (memory/model_states.py) or one rank's (memory/distributed_estimate.py), with what its
+    engine holds beside them at each moment."""
     tokens = tokens_of(cfg)
-    weights = weights_bytes(shape, cfg)
-    grads = gradient_bytes(shape, cfg)
-    states = optimizer_state_bytes(shape, cfg)
+    grads = states.gradients
     acts = activation_bytes(shape, cfg)
     layer = int(layer_bytes(shape, cfg))
     buffers = layer_gradient_buffers(shape, cfg) + dequant_bytes(shape, cfg)
-    accumulated = grads if cfg.batch.grad_accum > 1 else 0
+    accumulated = max(grads if cfg.batch.grad_accum > 1 else 0, states.persistent_gradients)
     ckpt_every = cfg.memory.activation_checkpoint_every
     last_ckpt = bool(ckpt_every) and (shape.layers - 1) % ckpt_every == 0
     # a recomputed layer's saved tensors include its residual input (not in bf16-pure, where the
     # norm keeps an fp32 copy instead), which the checkpoint already holds in the activations
     ckpt_input = 0 if half_weights(cfg) else tokens * shape.hidden * weight_size(cfg)
+    recomputed = layer + layer_weight_copies_bytes(shape, cfg)  # a checkpointed layer in its backward
     # the first layer's backward: everything else freed; its own activations (recomputed if checkpointed)
     grads_before_first = grads - (grads // shape.layers if cfg.method == "full" else 0)
+    head_grads = grads * head_gradient_bytes(shape, cfg) // max(gradient_bytes(shape, cfg), 1)  # this rank's share
     small = 4 * tokens * 8 + 2 * cfg.data.seq_len * shape.head_dim * 4
-    base = dict(weights=weights, optimizer_states=states)
-    return {
+    base = dict(weights=states.weights, optimizer_states=states.optimizer_states)
+    moments = {
         "backward_start": dict(base, gradients=accumulated, activations=acts,
                                temporaries=2 * loss_bytes(shape, cfg) + dequant_bytes(shape, cfg)),
-        "backward_last": dict(base, gradients=accumulated,
+        "backward_last": dict(base, gradients=max(accumulated, head_grads),
                               activations=acts - loss_bytes(shape, cfg) - head_bytes(shape, cfg),
-                              temporaries=buffers + (layer - ckpt_input if last_ckpt else 0)),
+                              temporaries=buffers + (recomputed - ckpt_input if last_ckpt else 0)),
         "backward_first": dict(base, gradients=max(accumulated, grads_before_first),
                                activations=small + (0 if ckpt_every else layer),
-                               temporaries=buffers + (layer if ckpt_every else 0)),
-        "optimizer_step": dict(base, gradients=grads, activations=0, temporaries=optimizer_scratch(shape, cfg)),
+                               temporaries=buffers + (recomputed if ckpt_every else 0)),
+        "optimizer_step": dict(base, gradients=max(grads, states.persistent_gradients), activations=0,
+                               temporaries=states.optimizer_scratch),
     }
+    for moment, held in states.beside.items():  # an engine's own moments start from the states alone
+        at = moments.setdefault(moment, dict(base, gradients=max(grads, states.persistent_gradients), activations=0,
+                                             temporaries=0))
+        for category, nbytes in held.items():
+            at[category] += nbytes
+    return moments
 
 
 def runtime_overheads(cfg: RunConfig, device: str, transient_bytes: int) -> dict[str, int]:
@@ -202,6 +214,16 @@ class StrategyTerms:
     @property
     def largest_param_bytes(self) -> int:
         return largest_param_bytes(self.shape, self.cfg)
+
+    @property
+    def head_gradient_bytes(self) -> int:
+        return head_gradient_bytes(self.shape, self.cfg)
+
+    @property
+    def largest_param_update_bytes(self) -> int:
+        """The optimizer's scratch while it updates the largest parameter alone."""
+        largest = self.largest_param_bytes
+        return optimizer_scratch(self.cfg, self.device, largest, largest)
 
     @property
     def activation_bytes(self) -> int:

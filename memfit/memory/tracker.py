@@ -93,8 +93,13 @@ class MemoryTracker(TorchDispatchMode):
             block = entry[1]
             grown = self._size(storage.nbytes()) - block.nbytes  # resize_ (e.g. FSDP freeing a shard)
             if grown:
-                block.nbytes += grown
+                # a new block of the new size: a peak snapshot keeps the old one, with the size it had then
+                if grown < 0:
+                    self._snapshot_if_pending()
+                resized = _Block(block.nbytes + grown, block.category, block.phase)
+                self._live[key] = (weakref.ref(storage, lambda _, k=key, b=resized: self._free(k, b)), resized)
                 self._add(grown, block.category)
+                return resized
             return block
         block = _Block(self._size(storage.nbytes()), category, self._phase)
         self._live[key] = (weakref.ref(storage, lambda _, k=key, b=block: self._free(k, b)), block)

@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 from memfit.errors import MemfitError
+from memfit.strategies.engines import mesh_2d_degree
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +73,11 @@ def model_problems(cfg, model_config, gpus: int = 1) -> list[str]:
     problems += _head_problems(text)
     problems += _position_problems(cfg, model_config)
     tp, pp = cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel
-    for degree, flag in ((tp, "tensor_parallel"), (pp, "pipeline_parallel")):
+    mesh_2d = mesh_2d_degree(cfg.distributed.model_dump(), cfg.distributed.sharding)  # FSDP2 over groups of tp GPUs
+    if mesh_2d and gpus % tp:
+        problems.append(f"distributed.tensor_parallel: {tp} with distributed.sharding: {cfg.distributed.sharding} "
+                        f"needs a multiple of {tp} GPUs (got {gpus})")
+    for degree, flag in ((0 if mesh_2d else tp, "tensor_parallel"), (pp, "pipeline_parallel")):
         if degree > 1 and gpus != degree:
             problems.append(f"distributed.{flag}: {degree} needs {degree} GPUs (got {gpus})")
     if tp > 1:

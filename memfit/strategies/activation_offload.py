@@ -27,7 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memfit.strategies.step_strategy import StepSettings, StepStrategy
+from memfit.strategies.step_strategy import PIPELINE_NOT_PLANNED, StepSettings, StepStrategy
 
 log = logging.getLogger(__name__)
 
@@ -250,7 +250,8 @@ ACTIVATION_OFFLOAD = StepStrategy(
     hooks=lambda device, optimizer, params, traced, activation_offload_prefetch: {"saved_activations":
         activation_offload(True, device, params, traced=traced, prefetch=activation_offload_prefetch)},
     peak=_offload_peak, host_bytes=_offload_host_bytes, work=_offload_work, rules=_offload_problems,
-    lean=(False, True), cuda_only=True, sharded_estimate=False, without_deepspeed="not supported",
+    lean=(False, True), cuda_only=True, without_deepspeed="not supported",
+    without_pipeline=PIPELINE_NOT_PLANNED,
     options={"activation_offload_prefetch": (bool, dict(default=False, description=(
         "With memory.activation_offload and memory.checkpointing: full, bring the next layer's input back "
         "while the current layer recomputes (the copy overlaps compute; one more layer input on the GPU)")))},

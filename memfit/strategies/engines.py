@@ -80,7 +80,8 @@ OFFLOADS, offload_entry = entry_lookup(OFFLOAD_ENTRIES, "distributed.offload")
 @dataclass(frozen=True)
 class ModelParallelEntry:
     """A way to split one model over ranks that all see the same batch (`distributed.<name>`: the degree,
-    1 when off). memfit runs one at a time, without data-parallel sharding, for full fine-tuning."""
+    1 when off). memfit runs one at a time, for full fine-tuning; tensor parallel also inside FSDP2 (a 2-D
+    mesh: FSDP2 over the data-parallel dimension, tensor parallel over groups of K ranks)."""
 
     name: str                     # the config field under distributed
     label: str                    # how the plan's table names it
@@ -88,17 +89,32 @@ class ModelParallelEntry:
     clipping_problem: str         # why clipping by global norm cannot run across its ranks ("" = it can)
     all_reduces_per_layer: int    # activation all-reduces per layer per micro-batch (forward + backward)
     bubble: bool                  # a GPipe schedule: (S - 1) of (M + S - 1) slots idle
+    with_fsdp2: bool              # FSDP2 (zero2/zero3) shards its DTensors over the data-parallel ranks: a 2-D mesh
+    instead_of_sharding: str      # what works when it is asked for with a sharding it cannot run with
 
 
 MODEL_PARALLEL_ENTRIES = (
     ModelParallelEntry("tensor_parallel", "tensor parallel", dtensor=True, clipping_problem="",
-                       all_reduces_per_layer=4, bubble=False),
+                       all_reduces_per_layer=4, bubble=False, with_fsdp2=True, instead_of_sharding=(
+                           "use distributed.sharding: zero2 or zero3 for a 2-D mesh (FSDP2 over the data-parallel "
+                           "ranks, tensor parallel inside each group of K), or sharding: none for tensor parallel "
+                           "alone (DDP and zero1 hold plain tensors, not DTensor shards)")),
     ModelParallelEntry("pipeline_parallel", "pipeline parallel", dtensor=False,
                        clipping_problem="gradient clipping across pipeline stages is not implemented",
-                       all_reduces_per_layer=0, bubble=True),
+                       all_reduces_per_layer=0, bubble=True, with_fsdp2=False, instead_of_sharding=(
+                           "every rank is one pipeline stage (there is no data-parallel dimension around the "
+                           "stages): use distributed.sharding: none")),
 )
 
 
 def model_parallel_in_use(degrees: dict[str, int]) -> list[tuple[ModelParallelEntry, int]]:
     """The model-parallel entries switched on, with their degrees (`degrees`: field name -> degree)."""
     return [(entry, degrees[entry.name]) for entry in MODEL_PARALLEL_ENTRIES if degrees[entry.name] > 1]
+
+
+def mesh_2d_degree(degrees: dict[str, int], sharding: str) -> int:
+    """K of a 2-D (data-parallel x K) mesh: the degree of the model-parallel entry FSDP2 shards, or 0 when the
+    run is not one (`degrees`: the distributed section's fields, `sharding`: distributed.sharding)."""
+    if not sharding_entry(sharding).fsdp2:
+        return 0
+    return next((degree for entry, degree in model_parallel_in_use(degrees) if entry.with_fsdp2), 0)

@@ -84,10 +84,14 @@ def in_backward_problems(settings: StepSettings) -> list[str]:
 
 
 def _in_backward_peak(moments: dict, terms) -> None:
-    """At most one parameter's gradient (and the optimizer's scratch for it) at a time."""
+    """At most one parameter's gradient (and the optimizer's scratch for it) at a time. The lm_head's (the
+    largest, or one of them) is applied once the loss's backward is done, just before the last layer's
+    backward, beside the same activations: its gradient and the update's scratch, or that layer's buffers."""
     largest = terms.largest_param_bytes
     for values in moments.values():
         values["gradients"] = min(values["gradients"], largest)
+    last = moments["backward_last"]
+    last.update(gradients=largest, temporaries=max(last["temporaries"], terms.largest_param_update_bytes))
     moments["optimizer_step"].update(gradients=largest, temporaries=min(moments["optimizer_step"]["temporaries"],
                                                                         largest))
 
@@ -98,4 +102,6 @@ OPTIMIZER_IN_BACKWARD = StepStrategy(
     hooks=lambda device, optimizer, params, traced: {"update": InBackwardUpdate(optimizer, params)},
     peak=_in_backward_peak, rules=in_backward_problems, lean=(True, False),
     without_deepspeed="the DeepSpeed engine owns the optimizer step",
+    without_pipeline="the pipeline schedule accumulates each gradient over its pipeline micro-batches before it "
+                     "is complete",
     forces={"optim.max_grad_norm": None}, gives_up="no gradient clipping")

@@ -16,6 +16,7 @@ ones memfit has (memfit/strategies/table.py lists them). Its entry, beside its t
               (memory/costs.py turns them into the seconds the planner ranks plans by)
   rules       its rules against the rest of the run's settings (`StepSettings`), checked on every
               construction of a config (memfit/config/step_rules.py)
+  without_deepspeed, without_pipeline  why that engine cannot run it (a config error names both settings)
   model_problem  why it cannot run on a model of this shape (memory/model_shape.py: ModelShape), or
               None: the planner's search never offers it there (the trainer refuses it at build)
   searched    the values the planner's search tries (memory/search_space.py), `lean` those of its leanest
@@ -30,7 +31,8 @@ run's sizes and settings: shape, device, options (the strategies' own settings b
 micro_batches, loss_bytes (the fp32 log-softmax the plain loss saves), saved_loss_bytes (what the loss
 keeps for backward under this run's strategies), chunk_bytes, layer_bytes, hidden_bytes, live_layers,
 any_layer_checkpointed, last_layer_checkpointed, mlp_saved_bytes, mlp_input_bytes,
-attention_buffer_bytes, mlp_buffer_bytes, largest_param_bytes and activation_bytes.
+attention_buffer_bytes, mlp_buffer_bytes, largest_param_bytes, largest_param_update_bytes, head_gradient_bytes
+and activation_bytes.
 A strategy whose memory depends on a size not listed there adds a property to StrategyTerms.
 """
 
@@ -38,6 +40,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
+
+
+# why a strategy the pipeline could run is refused there: the per-stage estimate (GPipe's own moments,
+# memory/distributed_estimate.py) does not model it, and memfit does not run what it cannot plan
+PIPELINE_NOT_PLANNED = "the per-stage pipeline estimate does not model it"
 
 
 @dataclass(frozen=True)
@@ -49,6 +56,8 @@ class StepSettings:
     precision: str                 # a precision entry's name (memfit/strategies/precision.py)
     sharding: str                  # distributed.sharding ("none": one copy of the weights per process)
     checkpointing: str             # memory.checkpointing: none, full or every-N
+    tensor_parallel: int = 1       # distributed.tensor_parallel (1: off)
+    pipeline_parallel: int = 1     # distributed.pipeline_parallel (1: off)
 
 
 def _no_problems(settings: StepSettings, **options) -> list[str]:
@@ -69,8 +78,8 @@ class StepStrategy:
     searched: tuple = (False, True)        # values the planner's search tries
     lean: tuple = (True,)                  # values the leanest-member pre-check tries
     cuda_only: bool = False                # a no-op off CUDA: searched on CUDA only
-    sharded_estimate: bool = True          # the per-rank estimate models it (else off in sharded plans)
     without_deepspeed: str = ""            # why DeepSpeed cannot run it ("" = it can)
+    without_pipeline: str = ""             # why memfit's pipeline parallel cannot run it ("" = it can)
     forces: dict = field(default_factory=dict)  # settings the planner sets with it, unless the user fixed them
     gives_up: str = ""                     # what it trades, for the plan's table
     model_hook: Callable[..., object] | None = None  # (model, **options) -> model, when on

@@ -65,12 +65,13 @@ def check_distributed_load_ram(tmp: Path) -> None:
     assert re.search(rf"rank 1: ddp {NUMBER} MiB", done.stdout)
 
 
-def check_distributed_memory(tmp: Path) -> None:
-    done = run_bench("distributed_memory.py", "--engines", "ddp")
-    for name in ("single process", "ddp"):
-        (row,) = table_rows(done.stdout, name)
-        assert float(row[3]) > 0  # estimate / measured
-    assert re.search(rf"single-process losses: {NUMBER}, {NUMBER}, {NUMBER}$", done.stdout, re.M)
+def check_rank_matrix(tmp: Path) -> None:
+    done = run_bench("rank_matrix.py", "--mixes", "ddp-full", "--steps", "1", "--out", tmp / "table.md")
+    rows = table_rows(done.stdout, "ddp-full")
+    assert [row[1] for row in rows] == ["0", "1"]  # one row per rank
+    assert all(re.fullmatch(rf"{NUMBER} / {NUMBER}", row[2]) for row in rows)  # measured / estimated peak
+    assert re.search(rf"largest error: {NUMBER}% \(ddp-full, rank \d\)", done.stdout)
+    assert (tmp / "table.md").read_text().startswith("| mix | rank |")
 
 
 def check_estimate_vs_rss(tmp: Path) -> None:

@@ -22,21 +22,16 @@ fp16 and DeepSpeed's own CPU-Adam / NVMe offload need CUDA: tests/gpu/test_deeps
 from __future__ import annotations
 
 import json
-import os
-import random
-import socket
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from memfit.config import load_config
+from tests.torchrun import ROOT, assert_same_weights, metrics, torchrun, torchrun_env, write_fixed_length_text
 
 pytestmark = pytest.mark.slow  # ~1.5 min on 2 cores: three torchrun launches + five single-process runs
 
-ROOT = Path(__file__).resolve().parents[2]
 LOSS_TOLERANCE = 1e-4   # relative; float32 reductions split over ranks differ in the last bits
 BF16_TOLERANCE = 5e-3   # relative; seen 4e-4 on 2 cores
 WEIGHT_TOLERANCE = 1e-4  # absolute; Adam divides by sqrt(v): last-bit gradient differences move weights ~lr * 1e-2
@@ -78,11 +73,9 @@ SINGLE = {"single": [], "single_accum": ["batch.grad_accum=2", "optim.warmup_ste
           "single_bf16": ["precision=bf16-mixed"], "single_lora": ["method=lora"], "single_saved": ["model={saved}"]}
 
 WORKER = '''
-import json, os, sys, torch.distributed as dist
-from memfit.config import load_config
+import json, os, sys
 from memfit.distributed import deepspeed_engine
-from memfit.train.loop import train
-from memfit.train.resolve import resolve_run
+from tests.torchrun import train_each_line
 
 
 def recording_initialize(model, optimizer_factory, cfg, ctx, device, _initialize=deepspeed_engine.initialize):
@@ -98,38 +91,13 @@ def recording_initialize(model, optimizer_factory, cfg, ctx, device, _initialize
 
 
 deepspeed_engine.initialize = recording_initialize  # the loop looks it up at every run
-dist.init_process_group("gloo")  # one group for every run; train() leaves a group it did not create
-config, out = sys.argv[1], sys.argv[2]
-for line in open(os.path.join(out, "runs.txt")):
-    name, *overrides = line.split()
-    train(resolve_run(load_config(config, [f"output_dir={os.path.join(out, name)}", *overrides])), progress=False)
-dist.barrier(); dist.destroy_process_group(); os._exit(0)
+train_each_line(*sys.argv[1:3], "runs.txt")
 '''
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    # DS_ACCELERATOR=cpu: the runs are on the CPU even where a GPU exists
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT),
-               DS_ACCELERATOR="cpu")
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
-    return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-
-
-def _metrics(run_dir: Path, key: str) -> list[float]:
-    return [json.loads(line)[key] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # DS_ACCELERATOR=cpu: the runs are on the CPU even where a GPU exists
+    return torchrun(*args, timeout=TIMEOUT_S, env=torchrun_env(DS_ACCELERATOR="cpu"))
 
 
 @pytest.fixture(scope="module")
@@ -141,11 +109,7 @@ def runs(tmp_path_factory):
     from memfit.train.resolve import resolve_run
 
     root = tmp_path_factory.mktemp("deepspeed")
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "memory", "shard", "rank", "stage"]
-    with open(root / "data.jsonl", "w") as f:  # every example longer than seq_len: no padding anywhere
-        for _ in range(48):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(80))}) + "\n")
+    write_fixed_length_text(root / "data.jsonl")
     config = root / "run.yaml"
     config.write_text(
         f"max_steps: {STEPS}\nmicro_batch: 2\nseq_len: 64\nlog_every: 1\nsave_every: 0\nlr: 0.001\n"
@@ -184,26 +148,20 @@ def test_losses_match_single_process(runs, name):
     assert result.returncode == 0, result.stderr[-4000:]
     reference = RUNS[name][2]
     tolerance = BF16_TOLERANCE if reference == "single_bf16" else LOSS_TOLERANCE
-    losses = _metrics(root / name, "loss")
+    losses = metrics(root / name, "loss")
     assert len(losses) == STEPS
-    assert losses == pytest.approx(_metrics(root / reference, "loss"), rel=tolerance), name
+    assert losses == pytest.approx(metrics(root / reference, "loss"), rel=tolerance), name
     assert losses[-1] < losses[0]  # it trained
     if reference != "single_bf16":  # DeepSpeed's gradient norm is the one memfit's single process reports
-        assert _metrics(root / name, "grad_norm") == pytest.approx(_metrics(root / reference, "grad_norm"),
-                                                                   rel=LOSS_TOLERANCE), name
+        assert metrics(root / name, "grad_norm") == pytest.approx(metrics(root / reference, "grad_norm"),
+                                                                  rel=LOSS_TOLERANCE), name
 
 
 @pytest.mark.parametrize("name", [n for n, (_, _, ref) in RUNS.items() if ref != "single_bf16"])
 def test_final_weights_match_single_process(runs, name):
-    from safetensors.torch import load_file
-
     root, *_ = runs
     file = "adapter_model.safetensors" if "lora" in name else "model.safetensors"  # LoRA: PEFT's adapter file
-    reference = load_file(root / RUNS[name][2] / file)
-    weights = load_file(root / name / file)
-    assert set(reference) == set(weights)
-    for key, value in reference.items():
-        torch.testing.assert_close(weights[key], value, atol=WEIGHT_TOLERANCE, rtol=0, msg=f"{name}: {key}")
+    assert_same_weights(root / name / file, root / RUNS[name][2] / file, WEIGHT_TOLERANCE, name)
 
 
 ZERO3 = [name for name, (js, _, _) in RUNS.items() if js.startswith("zero3")]
@@ -257,10 +215,10 @@ def test_command_line_checkpoints_and_resumes(runs, tmp_path):
 
     resumed = _torchrun("-m", "memfit", "train", *common, f"max_steps={STEPS}", "resume=true", "overwrite=false")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    losses = _metrics(out, "loss")
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3]
+    losses = metrics(out, "loss")
+    assert metrics(out, "step") == [1, 2, 3]
     # Step 3 runs on the restored weights and Adam states: the same as an uninterrupted run.
-    assert losses == pytest.approx(_metrics(root / "single", "loss"), rel=LOSS_TOLERANCE)
+    assert losses == pytest.approx(metrics(root / "single", "loss"), rel=LOSS_TOLERANCE)
     reference = load_file(root / "single" / "model.safetensors")
     weights = load_file(out / "model.safetensors")
     for key, value in reference.items():

@@ -16,9 +16,6 @@ checkpoints, which a single process then resumes (re-sharded onto 1 rank). Check
 from __future__ import annotations
 
 import json
-import os
-import random
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -27,10 +24,10 @@ import pytest
 import torch
 
 from memfit.config import load_config
+from tests.torchrun import ROOT, assert_same_weights, free_port, metrics, torchrun, torchrun_env, write_fixed_length_text
 
 pytestmark = pytest.mark.slow  # ~2-3 min on 2 cores: two torchrun launches + single-process runs
 
-ROOT = Path(__file__).resolve().parents[2]
 LOSS_TOLERANCE = 1e-4      # relative; float32 reductions split over ranks differ in the last bits
 ESTIMATE_TOLERANCE = 0.05  # the issue's acceptance: per-rank estimate within 5% of the measurement
 TIMEOUT_S = 420            # a hung rank fails the test instead of hanging CI
@@ -47,11 +44,9 @@ ENGINES = {  # name -> overrides; data-parallel engines use micro_batch 1 per ra
 }
 
 WORKER = '''
-import json, os, sys, torch.distributed as dist
+import json, os, sys
 import memfit.distributed.engine as engine
-from memfit.config import load_config
-from memfit.train.loop import train
-from memfit.train.resolve import resolve_run
+from tests.torchrun import train_each_line
 
 
 def recording_shard(model, optimizer_factory, cfg, ctx, device, _shard=engine.shard):
@@ -67,36 +62,8 @@ def recording_shard(model, optimizer_factory, cfg, ctx, device, _shard=engine.sh
 
 
 engine.shard = recording_shard
-dist.init_process_group("gloo")  # one group for every run; train() leaves a group it did not create
-config, out = sys.argv[1], sys.argv[2]
-for line in open(os.path.join(out, "engines.txt")):
-    name, *overrides = line.split()
-    train(resolve_run(load_config(config, [f"output_dir={os.path.join(out, name)}", *overrides])), progress=False)
-dist.barrier(); dist.destroy_process_group(); os._exit(0)
+train_each_line(*sys.argv[1:3], "engines.txt")
 '''
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(ROOT))
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
-def _torchrun(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), *args]
-    return subprocess.run(command, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S)
-
-
-def _losses(run_dir: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _rank_peaks(run_dir: Path) -> list[int]:
@@ -116,11 +83,7 @@ def runs(tmp_path_factory):
     from memfit.train.resolve import resolve_run
 
     root = tmp_path_factory.mktemp("distributed")
-    rng = random.Random(0)
-    words = ["alpha", "beta", "gamma", "delta", "memory", "shard", "rank", "stage"]
-    with open(root / "data.jsonl", "w") as f:  # every example longer than seq_len: no padding anywhere
-        for _ in range(48):
-            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(80))}) + "\n")
+    write_fixed_length_text(root / "data.jsonl")
     config = root / "run.yaml"
     config.write_text(
         f"max_steps: {STEPS}\nmicro_batch: 2\nseq_len: 64\nlog_every: 1\nsave_every: 0\nlr: 0.001\n"
@@ -130,7 +93,7 @@ def runs(tmp_path_factory):
     (root / "worker.py").write_text(WORKER)
 
     single = train(resolve_run(load_config(config, [f"output_dir={root / 'single'}"])), progress=False)
-    engines = _torchrun(str(root / "worker.py"), str(config), str(root))
+    engines = torchrun(str(root / "worker.py"), str(config), str(root), timeout=TIMEOUT_S)
     return root, config, single, engines
 
 
@@ -145,7 +108,7 @@ def test_every_engine_exits_cleanly(runs):
 def test_losses_match_single_process(runs, name):
     root, _, single, engines = runs
     assert engines.returncode == 0, engines.stderr[-4000:]
-    losses = _losses(root / name)
+    losses = metrics(root / name, "loss")
     assert len(losses) == STEPS
     assert losses == pytest.approx(single.losses, rel=LOSS_TOLERANCE), name
     assert losses[-1] < losses[0]  # it trained
@@ -153,15 +116,9 @@ def test_losses_match_single_process(runs, name):
 
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_final_weights_match_single_process(runs, name):
-    from safetensors.torch import load_file
-
     root, *_ = runs
-    reference = load_file(root / "single" / "model.safetensors")
-    weights = load_file(root / name / "model.safetensors")
-    assert set(reference) == set(weights)
-    for key, value in reference.items():
-        # Adam divides by sqrt(v): last-bit gradient differences move weights by ~lr * 1e-2 at most
-        torch.testing.assert_close(weights[key], value, atol=1e-4, rtol=0, msg=f"{name}: {key}")
+    # Adam divides by sqrt(v): last-bit gradient differences move weights by ~lr * 1e-2 at most
+    assert_same_weights(root / name / "model.safetensors", root / "single" / "model.safetensors", 1e-4, name)
 
 
 def test_memory_falls_as_the_zero_stage_rises(runs):
@@ -235,8 +192,9 @@ def test_command_line_checkpoints_and_resumes_on_fewer_ranks(runs, tmp_path, sha
     states by parameter name, and the single rank finds all of them."""
     root, config, single, _ = runs
     out = tmp_path / "cli"
-    first = _torchrun("-m", "memfit", "train", str(config), f"output_dir={out}", f"distributed.sharding={sharding}",
-                      "batch.micro_batch=1", f"max_steps={STEPS - 1}", "checkpoints.every=1", "--no-progress")
+    first = torchrun("-m", "memfit", "train", str(config), f"output_dir={out}", f"distributed.sharding={sharding}",
+                     "batch.micro_batch=1", f"max_steps={STEPS - 1}", "checkpoints.every=1", "--no-progress",
+                     timeout=TIMEOUT_S)
     assert first.returncode == 0, first.stderr[-4000:]
     assert (out / "model.safetensors").exists() and (out / "config.json").exists()
     saved = sorted((out / "checkpoints").glob("sharded-step-*"))
@@ -244,13 +202,13 @@ def test_command_line_checkpoints_and_resumes_on_fewer_ranks(runs, tmp_path, sha
 
     # One process, same config: DCP re-shards the 2-rank checkpoint onto 1 rank. (Its global batch
     # is now 1 sequence, so step 3 differs from the 2-rank run's; the earlier steps are kept.)
-    env = dict(_env(), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
+    env = torchrun_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
     resumed = subprocess.run([sys.executable, "-m", "memfit", "train", str(config), f"output_dir={out}",
                               f"distributed.sharding={sharding}", "batch.micro_batch=1", f"max_steps={STEPS}", "resume=true", "overwrite=false",
                               "--no-progress"], cwd=ROOT, env=env, capture_output=True, text=True,
                              timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    losses = _losses(out)
+    losses = metrics(out, "loss")
     assert len(losses) == STEPS
     assert losses[:STEPS - 1] == pytest.approx(single.losses[:STEPS - 1], rel=LOSS_TOLERANCE)
     assert losses[-1] < losses[0]  # the resumed weights are the trained ones, not a fresh init
@@ -281,11 +239,12 @@ def test_pipeline_checkpoint_resumes(runs, tmp_path):
     root, config, single, _ = runs
     out = tmp_path / "pp"
     common = [str(config), f"output_dir={out}", "distributed.pipeline_parallel=2", "optim.max_grad_norm=null", "--no-progress"]
-    first = _torchrun("-m", "memfit", "train", *common, "max_steps=1", "checkpoints.every=1")
+    first = torchrun("-m", "memfit", "train", *common, "max_steps=1", "checkpoints.every=1", timeout=TIMEOUT_S)
     assert first.returncode == 0, first.stderr[-4000:]
-    resumed = _torchrun("-m", "memfit", "train", *common, f"max_steps={STEPS}", "resume=true", "overwrite=false")
+    resumed = torchrun("-m", "memfit", "train", *common, f"max_steps={STEPS}", "resume=true", "overwrite=false",
+                       timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert _losses(out) == pytest.approx(single.losses, rel=LOSS_TOLERANCE)
+    assert metrics(out, "loss") == pytest.approx(single.losses, rel=LOSS_TOLERANCE)
     assert set(_saved_optimizer_steps(out).values()) == {STEPS}
 
 
@@ -299,8 +258,8 @@ def test_lora_on_fsdp2_ranks_saves_the_gathered_frozen_base(runs, tmp_path):
 
     _, config, _, _ = runs
     out, reference = tmp_path / "fsdp_lora", tmp_path / "single_lora"
-    sharded = _torchrun("-m", "memfit", "train", str(config), f"output_dir={out}", "distributed.sharding=zero3",
-                        "method=lora", "batch.micro_batch=1", "max_steps=1", "--no-progress")
+    sharded = torchrun("-m", "memfit", "train", str(config), f"output_dir={out}", "distributed.sharding=zero3",
+                       "method=lora", "batch.micro_batch=1", "max_steps=1", "--no-progress", timeout=TIMEOUT_S)
     assert sharded.returncode == 0, sharded.stderr[-4000:]
     single_cfg = load_config(config, [f"output_dir={reference}", "method=lora", "max_steps=1"])
     single = train(resolve_run(single_cfg), progress=False)
@@ -310,4 +269,4 @@ def test_lora_on_fsdp2_ranks_saves_the_gathered_frozen_base(runs, tmp_path):
     for name, tensor in expected.items():
         assert torch.equal(base[name], tensor), name
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str((out / "base_model").resolve())
-    assert _losses(out) == pytest.approx(single.losses, rel=LOSS_TOLERANCE)
+    assert metrics(out, "loss") == pytest.approx(single.losses, rel=LOSS_TOLERANCE)

@@ -19,10 +19,11 @@ def test_config_combinations_are_all_listed():
     with pytest.raises(ConfigError) as error:
         load_config(None, ["distributed.sharding=ddp", "distributed.offload=all", "distributed.tensor_parallel=2", "distributed.pipeline_parallel=2"])
     text = str(error.value)
-    assert "4 problem(s)" in text  # offload without FSDP2, tp with pp, tp/pp with ddp + pipeline clipping
+    assert "5 problem(s)" in text  # offload without FSDP2, tp with pp, tp with ddp, pp with ddp, pipeline clipping
     assert "distributed.offload: all needs distributed.sharding: zero2 or zero3" in text
     assert "tensor_parallel and pipeline_parallel together" in text
-    assert "with distributed.sharding: ddp is not supported" in text
+    assert "distributed.tensor_parallel > 1 with distributed.sharding: ddp is not supported" in text
+    assert "distributed.pipeline_parallel > 1 with distributed.sharding: ddp is not supported" in text
 
 
 def test_optimizer_only_offload_is_not_a_choice():

@@ -6,9 +6,10 @@ import pytest
 
 from memfit.config import load_config
 from memfit.memory.analytic import analytic_estimate
-from memfit.memory.distributed_estimate import (CPU_OPTIMIZER_SCRATCH_TENSORS, optimizer_scratch, rank_states,
+from memfit.memory.distributed_estimate import (rank_model_states, rank_shape, stage_states,
                                                zero_model_states_like_deepspeed)
 from memfit.memory.model_shape import model_shape
+from memfit.memory.model_states import CPU_OPTIMIZER_SCRATCH_TENSORS
 from memfit.memory.single_device import cpu_ram_bytes
 from memfit.models.loading import load_model_config
 
@@ -19,7 +20,8 @@ def shape():
 
 
 def _states(shape, *overrides, gpus=4, device="cuda"):
-    return rank_states(shape, load_config(None, list(overrides)), gpus, device)
+    cfg = load_config(None, list(overrides))
+    return rank_model_states(rank_shape(shape, cfg), cfg, gpus, device)
 
 
 def test_zero_stages_shard_what_they_name(shape):
@@ -27,8 +29,9 @@ def test_zero_stages_shard_what_they_name(shape):
     zero1, zero2, zero3 = (_states(shape, f"distributed.sharding=zero{i}") for i in (1, 2, 3))
     assert full.persistent_gradients == full.gradients  # DDP buckets live between steps
     assert zero1.optimizer_states == -(-full.optimizer_states // 4) and zero1.weights == full.weights
-    assert zero2.gradients == -(-full.gradients // 4) and zero2.gathered_weights == full.weights
-    assert zero3.weights == -(-full.weights // 4) and zero3.gathered_weights < full.weights
+    gathered2, gathered3 = (s.beside["backward_start"]["activations"] for s in (zero2, zero3))  # in the forward
+    assert zero2.gradients == -(-full.gradients // 4) and gathered2 == full.weights
+    assert zero3.weights == -(-full.weights // 4) and gathered3 < full.weights
 
 
 def test_offload_moves_shards_to_host_only_on_cuda(shape):
@@ -54,17 +57,17 @@ def test_offloaded_host_ram_is_each_ranks_shard_of_every_state(shape, sharding):
 @pytest.mark.parametrize("gpus", [2, 4])
 def test_the_cpu_optimizer_scratch_of_fsdp2_is_a_shard_of_the_largest_tensor(shape, gpus):
     cfg = load_config(None, ["distributed.sharding=zero3"])
-    states = rank_states(shape, cfg, gpus, "cpu")
-    largest = -(-shape.largest_tensor_params // gpus) * 4
-    assert optimizer_scratch(shape, cfg, states, "cpu", gpus) == CPU_OPTIMIZER_SCRATCH_TENSORS * largest
+    states = rank_model_states(shape, cfg, gpus, "cpu")
+    largest = -(-shape.largest_tensor_params * 4 // gpus)
+    assert states.optimizer_scratch == CPU_OPTIMIZER_SCRATCH_TENSORS * largest
 
 
 def test_tensor_and_pipeline_parallel_split_the_weights(shape):
     one = _states(shape, gpus=1)
     tp = _states(shape, "distributed.tensor_parallel=2", "optim.max_grad_norm=null", gpus=2)
     assert one.weights / 2 < tp.weights < one.weights  # block linears halve, embeddings replicate
-    first, last = (rank_states(shape, load_config(None, ["distributed.pipeline_parallel=2", "optim.max_grad_norm=null"]), 2,
-                               "cuda", stage) for stage in (0, 1))
+    pp = load_config(None, ["distributed.pipeline_parallel=2", "optim.max_grad_norm=null"])
+    first, last = (stage_states(shape, pp, stage, "cuda") for stage in (0, 1))
     tied_copy = shape.embedding_params * 4
     assert first.weights + last.weights == pytest.approx(one.weights + tied_copy + 0, abs=8)
 
@@ -103,3 +106,17 @@ def test_plan_cli_reports_the_per_rank_estimate(capsys):
         plan = json.loads(out[out.index("{"):])
         expected = analytic_estimate(load_config(None, overrides), gpus=2, device="cuda")
         assert plan["estimate"]["peak_allocated_bytes"] == expected.peak_allocated_bytes, flags
+
+
+def test_the_chunked_loss_lowers_a_zero3_plan_by_at_least_the_logits_it_never_makes():
+    """`memfit plan Qwen/Qwen2.5-7B --method full --precision bf16-mixed --checkpointing full --seq-len 512
+    --micro-batch 32 --gpus 4 --sharding zero3 [--chunked-loss]`: the per-rank estimate reads the strategy."""
+    from memfit.models.loading import load_preset_config
+
+    overrides = ["model=Qwen/Qwen2.5-7B", "method=full", "precision=bf16-mixed", "memory.checkpointing=full",
+                 "data.seq_len=512", "batch.micro_batch=32", "distributed.sharding=zero3"]
+    config = load_preset_config("Qwen/Qwen2.5-7B")
+    plain, chunked = (analytic_estimate(load_config(None, [*overrides, f"memory.chunked_loss={on}"]), config, gpus=4)
+                      for on in ("false", "true"))
+    fp32_logits = 512 * 32 * config.vocab_size * 4
+    assert plain.peak_allocated_bytes - chunked.peak_allocated_bytes >= fp32_logits

@@ -43,8 +43,11 @@ def test_8b_at_8k_tokens_fits_24gib_with_the_margin_and_full_fine_tuning_only_wi
     # when each gradient is applied and freed in the backward, on pure bf16 weights
     full = next(f for f in found.families if f.name == "full")
     assert full.fits and full.best.cfg.memory.optimizer_in_backward and full.best.cfg.precision == "bf16-pure"
+    # FSDP2's CPU offload leaves the gathered blocks and the step's working set on the GPU: it fits with the
+    # chunked loss and the tiled MLP, which the per-rank estimate models as one device's does
     offload = next(f for f in found.families if f.name.startswith("full + CPU offload"))
-    assert not offload.fits and "misses the budget by" in offload.reason and "GiB" in offload.reason
+    assert offload.fits and offload.best.estimate.by_category["weights"] == 0
+    assert offload.best.cfg.memory.chunked_loss
 
 
 def test_the_recommendation_is_the_fastest_fit_unless_a_plan_within_the_tie_gives_up_less():

@@ -14,7 +14,7 @@ from memfit.cli import PLAN_OPTIONS
 from memfit.config import ConfigError, Method, Offload, Optimizer, Precision, Quant, Sharding, load_config
 from memfit.memory.candidates import gives_up
 from memfit.memory.costs import MEMORY_EFFICIENCY, step_time
-from memfit.memory.distributed_estimate import rank_states
+from memfit.memory.distributed_estimate import rank_model_states
 from memfit.memory.gpus import find_gpu
 from memfit.memory.model_shape import lora_params, model_shape
 from memfit.memory.model_states import weights_bytes
@@ -80,12 +80,13 @@ def test_every_engine_splits_model_states_by_its_stage(entry):
 @pytest.mark.parametrize("entry", [e for e in SHARDING_ENTRIES if e.ranks], ids=lambda e: e.name)
 def test_every_engine_reaches_the_per_rank_states_and_the_search(entry):
     cfg = load_config(None, ["precision=bf16-mixed", f"distributed.sharding={entry.name}"])
-    one = rank_states(SHAPE, load_config(None, ["precision=bf16-mixed"]), 1)
-    rank = rank_states(SHAPE, cfg, 4)
+    one = rank_model_states(SHAPE, load_config(None, ["precision=bf16-mixed"]), 1)
+    rank = rank_model_states(SHAPE, cfg, 4)
     expected = entry.split(one.weights, one.gradients, one.optimizer_states, 4, at_rest=True)
     assert (rank.weights, rank.gradients, rank.optimizer_states) == expected
     assert rank.persistent_gradients == (one.gradients if entry.gradient_buckets else 0)
-    assert (rank.gathered_weights > 0) == entry.fsdp2
+    gathered = rank.beside.get("backward_start", {}).get("activations", 0)  # FSDP2's weights gathered in the forward
+    assert (gathered > 0) == entry.fsdp2
     labels = [name for name, _ in families(cfg, gpus=4, device="cuda")]
     assert f"full, {entry.label}" in labels
     assert (f"LoRA, {entry.label}" in labels) != entry.full_only
@@ -94,7 +95,7 @@ def test_every_engine_reaches_the_per_rank_states_and_the_search(entry):
 @pytest.mark.parametrize("entry", OFFLOAD_ENTRIES, ids=lambda e: e.name)
 def test_every_offload_entry_reaches_the_rules_the_states_and_the_step_time(entry):
     cfg = load_config(None, ["precision=bf16-mixed", "distributed.sharding=zero3", f"distributed.offload={entry.name}"])
-    rank = rank_states(SHAPE, cfg, 4)
+    rank = rank_model_states(SHAPE, cfg, 4)
     assert (rank.host_bytes > 0) == entry.host_states and (rank.weights == 0) == entry.host_states
     assert ("host_link" in step_time(StrategyTerms(SHAPE, cfg, "cuda"), find_gpu("h100"), 4)) == entry.host_states
     if entry.host_states:  # FSDP2's CPUOffloadPolicy: refused without FSDP2

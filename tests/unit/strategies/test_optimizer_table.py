@@ -10,12 +10,12 @@ import torch
 from memfit.config import ConfigError, load_config
 from memfit.memory.candidates import gives_up
 from memfit.memory.costs import MEMORY_EFFICIENCY, step_time
-from memfit.memory.distributed_estimate import optimizer_scratch, rank_states
+from memfit.memory.distributed_estimate import rank_model_states
 from memfit.memory.gpus import find_gpu
 from memfit.memory.model_shape import model_shape, trainable_params
 from memfit.memory.phases import checkpoint_phase
 from memfit.memory.search_space import inner_choices, leanest_updates
-from memfit.memory.model_states import gradient_bytes, optimizer_state_bytes, trained_params, weights_bytes
+from memfit.memory.model_states import gradient_bytes, model_states, optimizer_state_bytes, trained_params, weights_bytes
 from memfit.memory.single_device import StrategyTerms, peak_candidates
 from memfit.memory.tracker import MemoryTracker
 from memfit.models.presets import load_preset_config
@@ -51,7 +51,7 @@ def test_the_analytic_terms_read_its_state_and_scratch_bytes(entry):
         cfg = _cfg(entry, f"method={method}", "precision=bf16-pure")
         states = optimizer_state_bytes(shape, cfg)
         assert states == entry.states(trained_params(shape, cfg)) > 0
-        step = peak_candidates(shape, cfg)["optimizer_step"]
+        step = peak_candidates(shape, cfg, model_states(shape, cfg, "cuda"))["optimizer_step"]
         assert step["optimizer_states"] == states
         assert step["temporaries"] == (gradient_bytes(shape, cfg) if entry.foreach_scratch else 0)
         assert checkpoint_phase(shape, cfg, weights_bytes(shape, cfg), states, 0) == {
@@ -59,8 +59,8 @@ def test_the_analytic_terms_read_its_state_and_scratch_bytes(entry):
             "cpu_ram": trainable_params(shape, cfg) * (2 if method == "full" else 4) + states}
     if entry.on_dtensor:
         sharded = _cfg(entry, "distributed.sharding=zero3")
-        rank = rank_states(shape, sharded, 4)
-        assert optimizer_scratch(shape, sharded, rank, "cuda", 4) == (rank.gradients if entry.foreach_scratch else 0)
+        rank = rank_model_states(shape, sharded, 4)
+        assert rank.optimizer_scratch == (rank.gradients if entry.foreach_scratch else 0)
 
 
 @ENTRIES
