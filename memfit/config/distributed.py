@@ -84,10 +84,8 @@ def launch_problems(cfg, world_size: int, model_config=None) -> list[str]:
     if model_config is None:
         return problems
     model_type = getattr(model_config, "model_type", "?")
+    problems += model_parallel_family_problems(cfg, model_type)
     if tp > 1:
-        if model_type not in LLAMA_FAMILY:
-            problems.append(f"tensor_parallel needs a Llama-family model ({', '.join(LLAMA_FAMILY)}); "
-                            f"model is {model_type}")
         for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
             value = getattr(model_config, name, None)
             if value is not None and value % tp:
@@ -96,10 +94,14 @@ def launch_problems(cfg, world_size: int, model_config=None) -> list[str]:
         layers = getattr(model_config, "num_hidden_layers", 0)
         if layers < pp:
             problems.append(f"distributed.pipeline_parallel: {pp} needs at least {pp} layers; the model has {layers}")
-        if model_type not in LLAMA_FAMILY:
-            problems.append(f"pipeline_parallel needs a Llama-family model ({', '.join(LLAMA_FAMILY)}); "
-                            f"model is {model_type}")
     return problems
+
+
+def model_parallel_family_problems(cfg, model_type: str) -> list[str]:
+    """Tensor and pipeline parallel split Llama-family blocks only (their module names); the launch and the
+    planner's model check both refuse other models with this."""
+    return [f"{entry.name} needs a Llama-family model ({', '.join(LLAMA_FAMILY)}); model is {model_type}"
+            for entry, _ in model_parallel_in_use(cfg.distributed.model_dump()) if model_type not in LLAMA_FAMILY]
 
 
 def check_launch(cfg, world_size: int, model_config=None) -> None:

@@ -21,7 +21,8 @@ from memfit.memory.model_shape import ModelShape, model_shape
 from memfit.memory.model_states import ModelStates, model_states, optimizer_state_bytes, weights_bytes
 from memfit.memory.phases import phase_peaks
 from memfit.memory.single_device import (ALLOCATOR_SEGMENT_BYTES, beyond_basics_terms, cpu_ram_bytes, eval_bytes,
-                                         peak_candidates, runtime_overheads, strategy_host_bytes)
+                                         peak_candidates, runtime_overheads, strategy_host_bytes,
+                                         with_engine_holdings)
 from memfit.memory.tracker import CATEGORIES
 from memfit.models.loading import load_model_config
 from memfit.strategies.optimizers import optimizer_entry
@@ -80,7 +81,8 @@ def step_moments(shape: ModelShape, cfg: RunConfig, device: str, gpus: int) -> t
         return fullest_stage(shape, cfg, device), ModelStates(0, 0, 0, 0)
     part = rank_shape(shape, cfg)
     states = rank_model_states(part, cfg, gpus, device) if distributed(cfg) else model_states(shape, cfg, device)
-    return beyond_basics_terms(peak_candidates(part, cfg, states), part, cfg, device), states
+    moments = beyond_basics_terms(peak_candidates(part, cfg, states), part, cfg, device)
+    return with_engine_holdings(moments, states), states
 
 
 def _phases(shape: ModelShape, cfg: RunConfig, reserved: int, by_category: dict, ram: dict) -> dict:

@@ -92,18 +92,21 @@ def rank_model_states(shape: ModelShape, cfg, gpus: int, device: str = "cuda") -
     largest = largest_param_bytes(shape, cfg)
     n = data_parallel_ranks(cfg, gpus)
     engine = sharding_entry(cfg.distributed.sharding)
+    stepped = _share(grads, n) if engine.shards("optimizer_states") else grads  # the values this rank's optimizer steps
     if not engine.fsdp2:  # one process, DDP, ZeRO-1: DDP's gradient buckets stay allocated
         w, g, o = engine.split(weights, grads, states, n)
-        return ModelStates(w, g, o, optimizer_scratch(cfg, device, g, largest),
+        return ModelStates(w, g, o, optimizer_scratch(cfg, device, stepped, largest),
                            persistent_gradients=grads if engine.gradient_buckets else 0)
     # FSDP2 shards every state at rest (zero2 as well); the stages differ in what stays gathered
     w, g, o = engine.split(weights, grads, states, n, at_rest=True)
     out = ModelStates(w, g, o, optimizer_scratch(cfg, device, g, _share(largest, n)))
     out.beside = fsdp2_gathered(shape, weights, grads, engine.reshard_after_forward, cfg.method == "full", n)
     if offload_entry(cfg.distributed.offload).host_states and device == "cuda":
-        out.host_bytes = out.weights + out.gradients + out.optimizer_states
-        out.weights = out.gradients = out.optimizer_states = 0
-        out.notes.append("offload: sharded weights, gradients and optimizer states in host RAM")
+        # the optimizer steps on the host, one tensor at a time: its scratch is host RAM too
+        host_scratch = optimizer_scratch(cfg, "cpu", g, _share(largest, n))
+        out.host_bytes = out.weights + out.gradients + out.optimizer_states + host_scratch
+        out.weights = out.gradients = out.optimizer_states = out.optimizer_scratch = 0
+        out.notes.append("offload: sharded weights, gradients, optimizer states and the optimizer step in host RAM")
     return out
 
 

@@ -82,7 +82,7 @@ CPU_OPTIMIZER_SCRATCH_TENSORS = 2
 def optimizer_scratch(cfg: RunConfig, device: str, trainable_bytes: int, largest_tensor_bytes: int) -> int:
     """The optimizer step's temporaries. On CUDA torch's foreach kernels build one scratch copy of the
     trainable parameters (e.g. Adam's denominator); on the CPU (no foreach kernels) it steps one tensor at
-    a time, ~4 temporaries of the largest; bitsandbytes/torchao 8-bit optimizers and Lion update block by
+    a time, 2 temporaries of the largest; bitsandbytes/torchao 8-bit optimizers and Lion update block by
     block."""
     if not optimizer_entry(cfg.optim.name).foreach_scratch:
         return 0

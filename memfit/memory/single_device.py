@@ -47,8 +47,8 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig, states: ModelStates) -> d
     backward_first  the first layer's backward: only its activations remain, nearly all gradients exist
     optimizer_step  weights + gradients + states + the optimizer's scratch
     Under gradient accumulation, the gradients of earlier micro-batches are alive throughout. `states`:
-    one device's (memory/model_states.py) or one rank's (memory/distributed_estimate.py), with what its
-    engine holds beside them at each moment."""
+    one device's (memory/model_states.py) or one rank's (memory/distributed_estimate.py); what its engine
+    holds beside them is added by `with_engine_holdings`."""
     tokens = tokens_of(cfg)
     grads = states.gradients
     acts = activation_bytes(shape, cfg)
@@ -78,12 +78,21 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig, states: ModelStates) -> d
         "optimizer_step": dict(base, gradients=max(grads, states.persistent_gradients), activations=0,
                                temporaries=states.optimizer_scratch),
     }
-    for moment, held in states.beside.items():  # an engine's own moments start from the states alone
-        at = moments.setdefault(moment, dict(base, gradients=max(grads, states.persistent_gradients), activations=0,
-                                             temporaries=0))
+    return moments
+
+
+def with_engine_holdings(moments: dict[str, dict[str, int]], states: ModelStates) -> dict[str, dict[str, int]]:
+    """The moments with what the engine holds beside the model states (`states.beside`: FSDP2's gathered
+    weights and gradient buffers), added after the step strategies' terms, which change only what the step
+    itself allocates; an engine's own moments (FSDP2's backward end) start from the states alone."""
+    base = dict(weights=states.weights, optimizer_states=states.optimizer_states,
+                gradients=max(states.gradients, states.persistent_gradients), activations=0, temporaries=0)
+    out = {moment: dict(values) for moment, values in moments.items()}
+    for moment, held in states.beside.items():
+        at = out.setdefault(moment, dict(base))
         for category, nbytes in held.items():
             at[category] += nbytes
-    return moments
+    return out
 
 
 def runtime_overheads(cfg: RunConfig, device: str, transient_bytes: int) -> dict[str, int]:

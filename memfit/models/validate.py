@@ -13,6 +13,7 @@ import logging
 from pathlib import Path
 
 from memfit.errors import MemfitError
+from memfit.config.distributed import model_parallel_family_problems
 from memfit.strategies.engines import mesh_2d_degree
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,7 @@ def model_problems(cfg, model_config, gpus: int = 1) -> list[str]:
     problems += _head_problems(text)
     problems += _position_problems(cfg, model_config)
     tp, pp = cfg.distributed.tensor_parallel, cfg.distributed.pipeline_parallel
+    problems += model_parallel_family_problems(cfg, getattr(model_config, "model_type", "?"))
     mesh_2d = mesh_2d_degree(cfg.distributed.model_dump(), cfg.distributed.sharding)  # FSDP2 over groups of tp GPUs
     if mesh_2d and gpus % tp:
         problems.append(f"distributed.tensor_parallel: {tp} with distributed.sharding: {cfg.distributed.sharding} "

@@ -9,7 +9,7 @@ from memfit.memory.analytic import analytic_estimate
 from memfit.memory.distributed_estimate import (rank_model_states, rank_shape, stage_states,
                                                zero_model_states_like_deepspeed)
 from memfit.memory.model_shape import model_shape
-from memfit.memory.model_states import CPU_OPTIMIZER_SCRATCH_TENSORS
+from memfit.memory.model_states import CPU_OPTIMIZER_SCRATCH_TENSORS, largest_param_bytes
 from memfit.memory.single_device import cpu_ram_bytes
 from memfit.models.loading import load_model_config
 
@@ -43,11 +43,14 @@ def test_offload_moves_shards_to_host_only_on_cuda(shape):
 
 @pytest.mark.parametrize("sharding", ["zero2", "zero3"])
 def test_offloaded_host_ram_is_each_ranks_shard_of_every_state(shape, sharding):
-    """FSDP2 holds weights, gradients and states sharded at rest (zero2 too): each rank offloads 1/N of them."""
+    """FSDP2 holds weights, gradients and states sharded at rest (zero2 too): each rank offloads 1/N of them,
+    and its optimizer steps them on the host (per-tensor scratch of its largest shard)."""
     one = _states(shape, gpus=1)
     cfg = load_config(None, [f"distributed.sharding={sharding}", "distributed.offload=params"])
-    shard = sum(-(-state // 4) for state in (one.weights, one.gradients, one.optimizer_states))
-    assert _states(shape, f"distributed.sharding={sharding}", "distributed.offload=params").host_bytes == shard
+    scratch = CPU_OPTIMIZER_SCRATCH_TENSORS * -(-largest_param_bytes(shape, cfg) // 4)
+    shard = sum(-(-state // 4) for state in (one.weights, one.gradients, one.optimizer_states)) + scratch
+    rank = _states(shape, f"distributed.sharding={sharding}", "distributed.offload=params")
+    assert rank.host_bytes == shard and rank.optimizer_scratch == 0  # nothing of the step on the GPU
     estimate = analytic_estimate(cfg, load_model_config(cfg.model)[0], device="cuda", gpus=4)
     base = cpu_ram_bytes(shape, cfg, "cuda")  # one process: runtime, the loading copy, data
     # per node: every rank's runtime, data and offloaded shard; one loading copy (rank 0's)
