@@ -7,7 +7,8 @@
 Each mix is a sharding x method x precision x step strategy x micro-batch combination, trained for a few steps
 on gloo ranks on the CPU (2, or 4 for a 2-D mesh) through memfit's own trainer; each rank's peak and its
 breakdown by category at that peak come from memfit's tracker (distributed_memory.json). The estimate is
-memfit.memory.analytic.analytic_estimate(cfg, device="cpu", gpus=ranks), the path `memfit plan` takes.
+memfit.memory.analytic.analytic_estimate(cfg, device="cpu", gpus=ranks), the path `memfit plan` takes (a
+pipeline rank's is its own stage's; the plan's is the fullest stage's).
 Activation offload is a no-op on the CPU, in the trainer and in the estimate alike: its mix checks only that
 it runs. The runs write no checkpoint (the step is what is estimated; DCP's staging copies of a checkpoint
 are host RAM on a GPU but device memory on the CPU). Writes a markdown table (--out) and the rows as JSON (--json); tests/integration/test_rank_matrix.py
@@ -62,6 +63,10 @@ MIXES = {  # name -> overrides (micro_batch is per data-parallel rank)
     "tp2-full-in-backward": ["distributed.tensor_parallel=2", "memory.optimizer_in_backward=true",
                              "optim.max_grad_norm=null", "batch.micro_batch=4"],
     "pp2-full": ["distributed.pipeline_parallel=2", "optim.max_grad_norm=null", "batch.micro_batch=4"],
+    "pp2-full-bf16-ckpt-tiled-offload": ["distributed.pipeline_parallel=2", "optim.max_grad_norm=null",
+                                         "precision=bf16-mixed", "memory.checkpointing=full", "memory.tiled_mlp=true",
+                                         "memory.tiled_mlp_slices=4", "memory.activation_offload=true",
+                                         "batch.micro_batch=8"],
 }
 MESH_MIXES = {  # 4 ranks: FSDP2 over 2 data-parallel ranks x tensor parallel 2
     "zero3xtp2-full-chunked": [*DP["zero3"], "distributed.tensor_parallel=2", "memory.chunked_loss=true",
@@ -129,9 +134,12 @@ def rows(root: Path, config: Path, mixes: dict[str, list[str]], ranks: int) -> l
 
     out = []
     for name, overrides in mixes.items():
-        estimate = analytic_estimate(load_config(config, ["output_dir=x", *overrides]), device="cpu", gpus=ranks)
+        cfg = load_config(config, ["output_dir=x", *overrides])
         measured = json.loads((root / name / "distributed_memory.json").read_text())["ranks"]
         for rank in measured:
+            # a pipeline rank against its own stage's estimate (the plan's is the fullest stage's)
+            stage = rank["rank"] if cfg.distributed.pipeline_parallel > 1 else None
+            estimate = analytic_estimate(cfg, device="cpu", gpus=ranks, stage=stage)
             out.append({"mix": name, "overrides": overrides, "rank": rank["rank"],
                         "measured_peak_bytes": rank["measured_peak_bytes"],
                         "measured_by_category_bytes": rank["measured_by_category_bytes"],

@@ -101,10 +101,11 @@ PLAN_OPTIONS = _plan_options()
 
 def cmd_plan(args) -> int:
     from memfit.config import load_config
-    from memfit.memory.fits import machine_ram_bytes
+    from memfit.memory.fits import machine_ram_bytes, plans_for_this_machine
     from memfit.memory.plan_text import plan_text
     from memfit.memory.planner import check_config_path, parse_budget, plan, write_config
     from memfit.strategies.table import STEP_STRATEGIES
+    from memfit.units import format_bytes
 
     # Sizes and output paths are checked first: a typo should not cost the planning work.
     budget = parse_budget(args.budget)
@@ -131,12 +132,15 @@ def cmd_plan(args) -> int:
                           if not any(o.startswith(path + "=") for o in overrides)]
     cfg = load_config(args.config, overrides)
     device = args.device or ("cpu" if cfg.device == "cpu" else "cuda")
-    if host_ram is None and args.host_ram is None:
+    if host_ram is None and args.host_ram is None and plans_for_this_machine(device, args.gpu, args.gpus):
         host_ram = machine_ram_bytes()
     result = plan(args.model, cfg, budget, gpus=args.gpus, engine=args.engine, device=device,
                   gpu=args.gpu, margin=margin, max_micro_batch=args.max_micro_batch, max_seq_len=args.max_seq_len,
                   host_ram=host_ram)
-    if args.write_config:
+    # a plan is written only when it is one to run: the fitting recommendation, or without a budget the run
+    # as described; when nothing fits nothing is written and the exit status says so
+    unfit = budget is not None and result.recommendation is None
+    if args.write_config and not unfit:
         write_config(result, args.write_config)
     if args.chart:
         from memfit.memory.chart import plan_chart
@@ -146,10 +150,14 @@ def cmd_plan(args) -> int:
         print(json.dumps(result.to_dict(), indent=2))
     else:
         print(plan_text(result))
-        if args.write_config:
+        if args.write_config and not unfit:
             print(f"wrote {args.write_config} (run it with: memfit train {args.write_config})")
         if args.chart:
             print(f"wrote {args.chart}")
+    if args.write_config and unfit:
+        print(f"error: nothing fits {format_bytes(budget)} per GPU, so {args.write_config} was not written; the "
+              "closest plan of each family is listed above", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -280,6 +288,8 @@ def _print_summary(result) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from memfit.memory.gpus import GPUS
+
     parser = argparse.ArgumentParser(prog="memfit", description=__doc__.splitlines()[0])
     parser.add_argument("-v", "--verbose", action="store_true", help="show debug logging and full tracebacks")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -338,12 +348,15 @@ def build_parser() -> argparse.ArgumentParser:
     plan_cmd.add_argument("--budget", help="GPU memory per device, e.g. 24GiB or 80GB: search for the fastest plan "
                                            "that fits")
     plan_cmd.add_argument("--gpus", type=int, default=1, help="GPUs (per-device budget; sharding needs 2+)")
-    plan_cmd.add_argument("--gpu", help="the card step times are predicted for: RTX 3090, RTX 4090, L4, A100-40GB, "
-                                        "A100-80GB, H100, H200 (default: the one closest to --budget)")
+    plan_cmd.add_argument("--gpu", help="the card step times are predicted for: "
+                                        f"{', '.join(gpu.name for gpu in GPUS.values())} "
+                                        "(default: the one closest to --budget)")
     plan_cmd.add_argument("--margin", help="memory kept free under the budget (default 5%% of it, at least 1 GiB "
                                            "on cards of 10 GiB or more)")
     plan_cmd.add_argument("--host-ram", help="host RAM a plan may use per node (offloaded states and activations, "
-                                             "loading), e.g. 128GiB, or unlimited (default: this machine's RAM)")
+                                             "loading), e.g. 128GiB, or unlimited (default: this machine's RAM "
+                                             "when the plan is for this machine -- --device cpu, or its CUDA GPUs "
+                                             "-- else unlimited, each plan stating what it needs)")
     plan_cmd.add_argument("--max-seq-len", action="store_true",
                           help="also find the longest seq_len that fits, for the chosen plan and each family")
     plan_cmd.add_argument("--max-micro-batch", action="store_true",

@@ -165,8 +165,7 @@ def weight_copies_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     if not layer_weight_copies_bytes(shape, cfg):
         return 0
     live_layers = shape.layers - checkpointed_layers(shape, cfg)
-    head = shape.lm_head_params or shape.embedding_params
-    return int(layer_weight_copies_bytes(shape, cfg) * live_layers + 2 * head)
+    return int(layer_weight_copies_bytes(shape, cfg) * live_layers + 2 * shape.head_params)
 
 
 def norm_bytes_per_token(shape: ModelShape, cfg: RunConfig) -> float:
@@ -183,12 +182,14 @@ def layer_bytes(shape: ModelShape, cfg: RunConfig) -> float:
 
 def loss_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """The log-softmax output the cross-entropy keeps, fp32 (transformers upcasts the logits)."""
-    return tokens_of(cfg) * shape.vocab * 4
+    return tokens_of(cfg) * shape.vocab * 4 if shape.head else 0
 
 
 def chunk_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """One chunk of the chunked loss: its fp32 logits (chunk tokens x vocab x 4 B)."""
     tokens = tokens_of(cfg)
+    if not shape.head:
+        return 0
     return min(tokens, auto_chunk_tokens(tokens, shape.vocab, shape.hidden)) * shape.vocab * 4
 
 
@@ -200,6 +201,8 @@ def loss_buffer_bytes(shape: ModelShape, cfg: RunConfig) -> int:
 
 def head_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """What the final norm and the lm_head save; both are freed before the last layer's backward."""
+    if not shape.head:
+        return 0
     tokens = tokens_of(cfg)
     p, c, full = weight_size(cfg), compute_size(cfg), cfg.method == "full"
     # lm_head input: kept when lm_head trains, or as the 16-bit autocast copy; shared in fp32

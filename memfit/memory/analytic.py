@@ -28,8 +28,10 @@ from memfit.models.loading import load_model_config
 from memfit.strategies.optimizers import optimizer_entry
 
 
-def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", gpus: int = 1) -> Estimate:
-    """Closed-form estimate of one run's peak memory per device (see docs/planner.md)."""
+def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", gpus: int = 1,
+                      stage: int | None = None) -> Estimate:
+    """Closed-form estimate of one run's peak memory per device (see docs/planner.md). Under pipeline
+    parallel, of the stage that needs the most, or of `stage`."""
     if model_config is None:
         model_config, _ = load_model_config(cfg.model)
     if not isinstance(cfg.batch.micro_batch, int):
@@ -37,7 +39,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
     if cfg.device != device:  # terms that differ by device (the dropout mask) read cfg.device
         cfg = cfg.model_copy(update={"device": device})
     shape = model_shape(model_config)
-    candidates, states = step_moments(shape, cfg, device, gpus)
+    candidates, states = step_moments(shape, cfg, device, gpus, stage)
     where, by_category = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     by_category = {c: int(by_category.get(c, 0)) for c in CATEGORIES}
     paged = 0
@@ -74,11 +76,13 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
                     phases=phases)
 
 
-def step_moments(shape: ModelShape, cfg: RunConfig, device: str, gpus: int) -> tuple[dict, ModelStates]:
+def step_moments(shape: ModelShape, cfg: RunConfig, device: str, gpus: int,
+                 stage: int | None = None) -> tuple[dict, ModelStates]:
     """The moments where one step can peak on one device or rank, with every step strategy's terms applied
-    (each entry's `peak`, computed on the part of the model the rank runs), and that rank's model states."""
-    if cfg.distributed.pipeline_parallel > 1:  # GPipe's own moments (the step strategies are refused there)
-        return fullest_stage(shape, cfg, device), ModelStates(0, 0, 0, 0)
+    (each entry's `peak`, computed on the part of the model the rank runs), and that rank's model states
+    (under pipeline parallel: of the fullest stage, or of `stage`)."""
+    if cfg.distributed.pipeline_parallel > 1:
+        return fullest_stage(shape, cfg, device, stage)
     part = rank_shape(shape, cfg)
     states = rank_model_states(part, cfg, gpus, device) if distributed(cfg) else model_states(shape, cfg, device)
     moments = beyond_basics_terms(peak_candidates(part, cfg, states), part, cfg, device)

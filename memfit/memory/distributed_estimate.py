@@ -6,9 +6,10 @@ What a rank computes on:
          input features): K times fewer heads and K times narrower MLP, the same hidden size, embeddings,
          norms and lm_head (replicated). Its activations and the step strategies' terms follow from that
          narrower shape (`rank_shape`), as do its weights, gradients and optimizer states.
-  pp S   rank s: its blocks (+ embeddings on the first, norm + lm_head on the last; a tied lm_head is a
-         second copy there); GPipe keeps the activations of every pipeline micro-batch of the step
-         (micro_batch sequences padded to seq_len) until the backward (`pipeline_moments`).
+  pp S   rank s: its blocks (+ embeddings on the first, norm + lm_head + loss on the last; a tied lm_head
+         is a second copy there: `stage_shape`), one pipeline micro-batch (one sequence padded to seq_len)
+         at a time; GPipe keeps what every other micro-batch's forward saved until its backward
+         (`pipeline_moments`).
 Every other engine runs the whole model on its own micro-batch: its activations are one device's.
 
 Model states per rank (W weights, G gradients, O optimizer states of that shape; N = data-parallel ranks):
@@ -36,10 +37,12 @@ from __future__ import annotations
 import dataclasses
 
 from memfit.distributed.pipeline import stage_blocks
-from memfit.memory.activations import layer_bytes, layer_gradient_buffers, loss_bytes, tokens_of
+from memfit.memory.activations import activation_bytes, tokens_of, weight_copies_bytes
 from memfit.memory.model_shape import ATTENTION_OUTPUT, MLP_OUTPUT, ModelShape
-from memfit.memory.model_states import (ModelStates, gradient_bytes, largest_param_bytes, optimizer_scratch,
-                                        optimizer_state_bytes, weight_size, weights_bytes)
+from memfit.memory.model_states import (ModelStates, compute_size, gradient_bytes, largest_param_bytes, model_states,
+                                        optimizer_scratch, optimizer_state_bytes, weight_size, weights_bytes)
+from memfit.memory.single_device import beyond_basics_terms, peak_candidates
+from memfit.strategies.step_strategy import WAITING
 from memfit.strategies.engines import offload_entry, sharding_entry
 
 ROW_SPLIT = (ATTENTION_OUTPUT, MLP_OUTPUT)  # tensor parallel splits these by input features, the rest by output
@@ -125,7 +128,7 @@ def fsdp2_gathered(shape: ModelShape, weights: int, grads: int, reshard: bool, f
     block_weights, root_weights = int(block * size), int(root * size)
     block_grads = grads // max(shape.layers, 1)
     grad_size = grads / max(shape.total_params, 1) if full else 0
-    head_grads = int((shape.lm_head_params or shape.embedding_params) * grad_size)
+    head_grads = int(shape.head_params * grad_size)
     root_grads = int(root * grad_size)
     end = {"backward_end": {"temporaries": 2 * root_grads + root_grads // ranks}} if full else {}
     if reshard:
@@ -141,49 +144,66 @@ def fsdp2_gathered(shape: ModelShape, weights: int, grads: int, reshard: bool, f
                                "gradients": block_grads}} | end
 
 
-def stage_states(shape: ModelShape, cfg, stage: int, device: str) -> ModelStates:
-    """Pipeline stage `stage`'s model states: its blocks, the embeddings on the first, norm and lm_head
-    on the last (its own copy when tied to the embeddings)."""
+def stage_shape(shape: ModelShape, cfg, stage: int) -> ModelShape:
+    """The part of the model pipeline stage `stage` computes: its blocks, the embeddings on the first, the
+    final norm, lm_head (its own copy when tied to the embeddings) and the loss on the last."""
     s = cfg.distributed.pipeline_parallel
+    first, last = stage == 0, stage == s - 1
     block, _ = _counts(shape)
-    params = len(stage_blocks(shape.layers, s, stage)) * block + (shape.embedding_params if stage == 0 else 0)
-    if stage == s - 1:
-        params += shape.hidden + (shape.lm_head_params or shape.embedding_params)
-    kept = params / shape.total_params
-    grads = int(gradient_bytes(shape, cfg) * kept)
-    return ModelStates(int(weights_bytes(shape, cfg) * kept), grads, int(optimizer_state_bytes(shape, cfg) * kept),
-                       optimizer_scratch(cfg, device, grads, largest_param_bytes(shape, cfg)),
-                       notes=[f"pipeline stage {stage} of {s}"])
+    layers = len(stage_blocks(shape.layers, s, stage))
+    embeddings = shape.embedding_params if first else 0
+    head = shape.head_params if last else 0
+    return dataclasses.replace(shape, layers=layers, embedding_params=embeddings, lm_head_params=head,
+                               vocab=shape.vocab if last else 0, head=last,
+                               total_params=layers * block + embeddings + (shape.hidden + head if last else 0))
+
+
+def stage_states(shape: ModelShape, cfg, stage: int, device: str) -> ModelStates:
+    """Pipeline stage `stage`'s model states: those of its part of the model (`stage_shape`)."""
+    states = model_states(stage_shape(shape, cfg, stage), cfg, device)
+    return dataclasses.replace(states, notes=[*states.notes,
+                                              f"pipeline stage {stage} of {cfg.distributed.pipeline_parallel}"])
 
 
 def pipeline_moments(shape: ModelShape, cfg, device: str, stage: int) -> dict[str, dict[str, int]]:
-    """Bytes per category on pipeline stage `stage` at the moments that can peak. GPipe runs every pipeline
-    micro-batch's forward, then their backwards: at the first backward's start every micro-batch's activations
-    are alive (and on the last stage their logits and log-softmax); after the first micro-batch's backward every
-    gradient of the stage exists, with the other micro-batches' activations and one micro-batch's buffers."""
-    s = cfg.distributed.pipeline_parallel
-    st = stage_states(shape, cfg, stage, device)
-    last = stage == s - 1
-    acts = len(stage_blocks(shape.layers, s, stage)) * layer_bytes(shape, cfg)
-    acts += tokens_of(cfg) * shape.hidden * weight_size(cfg)  # the stage's received (or embedded) input
-    if last:
-        acts += 2 * loss_bytes(shape, cfg)
+    """Bytes per category on pipeline stage `stage` at the moments that can peak.
+
+    The schedule (GPipe) cuts the step's micro-batch into n pipeline micro-batches of one sequence, runs
+    every forward, then every backward. Each pipeline micro-batch's backward is one device's moments
+    (`peak_candidates` with every step strategy's terms) on the stage's part of the model, while the
+    micro-batches not yet through their backward wait with what their forwards saved (the WAITING moment,
+    which the strategies change too) and the stage's output, which the schedule keeps for the backward. The first backward starts with no gradients; the later ones (the largest: the
+    second) add to every gradient of the stage, with one micro-batch fewer waiting."""
     n = cfg.batch.micro_batch
+    part = stage_shape(shape, cfg, stage)
     one = cfg.updated({"batch.micro_batch": 1})
-    base = dict(weights=st.weights, optimizer_states=st.optimizer_states)
-    return {
-        "pipeline_backward": dict(base, gradients=st.gradients, activations=int(acts) * (n - 1) // n,
-                                  temporaries=layer_gradient_buffers(shape, one)
-                                  + (2 * loss_bytes(shape, one) if last else 0)),
-        "backward_start": dict(base, gradients=0, activations=int(acts), temporaries=0),
-        "optimizer_step": dict(base, gradients=st.gradients, activations=0, temporaries=st.optimizer_scratch),
-    }
+    states = stage_states(shape, one, stage, device)
+    # what the schedule keeps of each pipeline micro-batch's forward until its backward: the stage's output
+    # (the logits on the last stage, the residual stream before it)
+    output = tokens_of(one) * (shape.vocab * compute_size(cfg) if part.head else shape.hidden * weight_size(cfg))
+
+    def backwards(run, waiting: int) -> dict[str, dict[str, int]]:
+        moments = peak_candidates(part, run, states)
+        # the whole schedule runs in one autocast region: its 16-bit weight copies are cast once, for all
+        moments[WAITING] = {"activations": activation_bytes(part, run) - weight_copies_bytes(part, run)}
+        moments = beyond_basics_terms(moments, part, run, device)
+        held = waiting * (moments.pop(WAITING)["activations"] + output) + output
+        return {name: dict(values, activations=values["activations"] + held) for name, values in moments.items()
+                if name.startswith("backward")} | {"optimizer_step": moments["optimizer_step"]}
+
+    out = backwards(one, n - 1)
+    if n > 1:
+        later = backwards(one.updated({"batch.grad_accum": 2}), n - 2)
+        out |= {f"pipeline_{name}": values for name, values in later.items() if name != "optimizer_step"}
+    return out
 
 
-def fullest_stage(shape: ModelShape, cfg, device: str) -> dict[str, dict[str, int]]:
-    """The moments of the pipeline stage whose peak is largest."""
-    stages = [pipeline_moments(shape, cfg, device, stage) for stage in range(cfg.distributed.pipeline_parallel)]
-    return max(stages, key=lambda moments: max(sum(c.values()) for c in moments.values()))
+def fullest_stage(shape: ModelShape, cfg, device: str,
+                  stage: int | None = None) -> tuple[dict[str, dict[str, int]], ModelStates]:
+    """The moments of the pipeline stage whose peak is largest (or of `stage`), and that stage's model states."""
+    chosen = range(cfg.distributed.pipeline_parallel) if stage is None else [stage]
+    stages = [(pipeline_moments(shape, cfg, device, s), stage_states(shape, cfg, s, device)) for s in chosen]
+    return max(stages, key=lambda found: max(sum(c.values()) for c in found[0].values()))
 
 
 # --- DeepSpeed's published ZeRO formulas, for docs/distributed.md ---------------------------------

@@ -14,6 +14,7 @@ import torch
 
 from memfit.memory.analytic import device_total_bytes
 from memfit.memory.estimate import Estimate
+from memfit.memory.gpus import find_gpu
 
 GiB = 2**30
 
@@ -66,6 +67,20 @@ def available_bytes(device: torch.device | str) -> int:
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
     return int(psutil.virtual_memory().available) // 2
+
+
+def plans_for_this_machine(device: str, gpu: str | None, gpus: int) -> bool:
+    """Whether `memfit plan` plans a run on this machine, whose RAM then limits its plans: a CPU run, or a
+    CUDA device here with no --gpu naming another card and no more --gpus than it has. A plan for a
+    machine elsewhere states the host RAM it needs per node instead (--host-ram sets a limit)."""
+    if device == "cpu":
+        return True
+    if not torch.cuda.is_available() or gpus > torch.cuda.device_count():
+        return False
+    if gpu is None:
+        return True
+    local, named = torch.cuda.get_device_name(0).lower(), find_gpu(gpu).name.lower()
+    return named.replace("nvidia ", "") in local or local in named
 
 
 def machine_ram_bytes() -> int:

@@ -44,6 +44,25 @@ GPUS: dict[str, GPU] = {
                    "pages), 936 GB/s; memory: deviceQuery/torch 24268 MiB"),
     "rtx4090": GPU("RTX 4090", 25756696576, 165.2, 82.6, 1008.0, 32.0, 32.0, True,
                    f"{ADA}: 165.2 BF16 w/ FP32 acc, 82.6 TF32, 1008 GB/s; no NVLink; memory: deviceQuery 24564 MiB"),
+    "rtx5090": GPU("RTX 5090", 32 * 1000**3, 209.5, 104.8, 1792.0, 64.0, 64.0, True,
+                   "spec pages (spheron.network/blog/nvidia-rtx-5090-specs, Linux Format May 2025): 838.4 FP16 "
+                   "tensor with sparsity = 419.2 dense with FP16 accumulate, halved for FP32 accumulate as on every "
+                   "GeForce card: 209.5 BF16, 104.8 TF32 (derived, not measured); 1792 GB/s GDDR7; PCIe 5.0 x16; "
+                   "no NVLink; memory: 32 GB nominal (torch reports a little less; not measured here)"),
+    # The 48 GB cards: workstation and data-centre parts run BF16 with FP32 accumulate at the full rate.
+    "rtx-a6000": GPU("RTX A6000", 48 * 2**30, 154.8, 77.4, 768.0, 32.0, 56.25, True,
+                     f"{GA102} and microway.com's Ampere comparison (via llmperf.net): 154.8 BF16 dense (309.7 with "
+                     "sparsity), TF32 half of it; 768 GB/s GDDR6 with ECC; NVLink bridge 112.5 GB/s bidirectional "
+                     "(servethehome.com); memory: 48 GiB nominal, not measured here"),
+    "rtx6000-ada": GPU("RTX 6000 Ada", 48 * 2**30, 364.2, 182.1, 960.0, 32.0, 32.0, True,
+                       f"{ADA}: 18,176 CUDA cores, 568 tensor cores like the L40S (its 362 BF16 dense at a slightly "
+                       "higher boost clock: 364.2 BF16, 182.1 TF32, derived); 960 GB/s GDDR6 with ECC "
+                       "(grafikkarten.com spec table); PCIe 4.0 x16, no NVLink; memory: 48 GiB nominal, not "
+                       "measured here"),
+    "l40s": GPU("L40S", 46068 * MiB, 362.05, 183.0, 864.0, 32.0, 32.0, True,
+                "NVIDIA L40/L40S datasheet table (mullet.se listing): 362.05 BF16 / 183 TF32 dense (733 / 366 with "
+                "sparsity), 864 GB/s GDDR6 with ECC on, PCIe Gen4 x16 64 GB/s bidirectional, no NVLink; memory: "
+                "46068 MiB as nvidia-smi lists the L40 family with ECC on (not measured here)"),
     # L4 ships with ECC on, which reserves ~1.5 GiB of its 24 GB.
     "l4": GPU("L4", 23612293120, 121.0, 60.0, 300.0, 32.0, 32.0, True,
               "NVIDIA L4 datasheet: 242 BF16 / 120 TF32 with sparsity (halved; accumulate not stated), 300 GB/s, "

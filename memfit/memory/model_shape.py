@@ -49,11 +49,17 @@ class ModelShape:
     gated_mlp: bool = True      # gate, up and down matrices (else one in and one out matrix)
     block_prefix: str = ""      # the first block's module name ("model.layers.0")
     roles: tuple = field(default=())  # (path in a block, role, in_features, out_features) of each block linear
+    head: bool = True           # computes the final norm, lm_head and loss (False: a pipeline stage before the last)
 
     @property
     def family(self) -> str:
         """The NAME of the memory/families module that describes this model's blocks."""
         return (gated_dense if self.gated_mlp else plain_dense).NAME
+
+    @property
+    def head_params(self) -> int:
+        """The lm_head's parameters (the embeddings', when tied); 0 on a part of the model without the head."""
+        return (self.lm_head_params or self.embedding_params) if self.head else 0
 
     @property
     def block_linear_params(self) -> int:
@@ -250,7 +256,7 @@ def trainable_params(shape: ModelShape, cfg: RunConfig) -> int:
     if getattr(cfg.lora, "train_embeddings", False):
         extra += shape.embedding_params
     if getattr(cfg.lora, "train_lm_head", False):
-        extra += shape.lm_head_params or shape.embedding_params
+        extra += shape.head_params
     return lora_params(shape, cfg) + extra
 
 

@@ -115,7 +115,7 @@ def model_states(shape: ModelShape, cfg: RunConfig, device: str) -> ModelStates:
 def head_gradient_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """The gradient of the lm_head (of the embeddings, when tied), when it trains."""
     trained = cfg.method == "full" or getattr(cfg.lora, "train_lm_head", False)
-    return (shape.lm_head_params or shape.embedding_params) * trainable_value_bytes(cfg) if trained else 0
+    return shape.head_params * trainable_value_bytes(cfg) if trained else 0
 
 
 def largest_param_bytes(shape: ModelShape, cfg: RunConfig) -> int:

@@ -53,10 +53,10 @@ def search_lines(result: Plan) -> list[str]:
     found = result.search
     budget, margin = found.budget_bytes, found.margin_bytes
     lines = [f"Budget {budget / 2**30:.2f} GiB per GPU x {result.gpus} GPU(s), margin {margin / 2**30:.2f} GiB "
-             f"(plan + margin <= budget); host RAM "
-             f"{'unlimited' if found.host_ram is None else format(found.host_ram / 2**30, '.1f') + ' GiB'} "
-             "(--host-ram); "
-             f"step times predicted for {found.gpu.name} (--gpu); {found.evaluated} plans estimated in "
+             f"(plan + margin <= budget); "
+             + ("host RAM not limited: each plan states what it needs per node (--host-ram SIZE sets a limit); "
+                if found.host_ram is None else f"host RAM {found.host_ram / 2**30:.1f} GiB per node (--host-ram); ")
+             + f"step times predicted for {found.gpu.name} (--gpu); {found.evaluated} plans estimated in "
              f"{result.seconds:.2f} s"]
     chosen = found.chosen
     if chosen is None:

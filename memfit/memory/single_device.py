@@ -17,10 +17,11 @@ from memfit.memory.activations import (activation_bytes, attention_scores_bytes,
                                        mlp_gradient_buffers, mlp_input_bytes_per_token, mlp_saved_bytes_per_token,
                                        mlp_width, tokens_of)
 from memfit.memory.families import family_of
-from memfit.memory.model_shape import ModelShape
+from memfit.memory.model_shape import MLP_INPUT, MLP_OUTPUT, ModelShape, trainable_value_bytes
 from memfit.memory.model_states import (ModelStates, compute_size, gradient_bytes, half_weights, head_gradient_bytes,
                                         largest_param_bytes, optimizer_scratch, optimizer_state_bytes, weight_size,
                                         weights_bytes)
+from memfit.strategies.engines import sharding_entry
 from memfit.strategies.loss import auto_chunk_tokens
 from memfit.strategies.table import STEP_STRATEGIES
 
@@ -43,7 +44,7 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig, states: ModelStates) -> d
     backward_start  all activations + the loss gradient (d log-softmax and d logits, fp32 T x V)
     backward_last   the last layer's backward: the log-softmax output is freed, that layer's MLP
                     gradient buffers (and, if checkpointed, its recomputed activations) are alive, and
-                    under full fine-tuning the lm_head's gradient
+                    under full fine-tuning the lm_head's gradient (and as it is made, its 16-bit copy's)
     backward_first  the first layer's backward: only its activations remain, nearly all gradients exist
     optimizer_step  weights + gradients + states + the optimizer's scratch
     Under gradient accumulation, the gradients of earlier micro-batches are alive throughout. `states`:
@@ -65,13 +66,14 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig, states: ModelStates) -> d
     grads_before_first = grads - (grads // shape.layers if cfg.method == "full" else 0)
     head_grads = grads * head_gradient_bytes(shape, cfg) // max(gradient_bytes(shape, cfg), 1)  # this rank's share
     small = 4 * tokens * 8 + 2 * cfg.data.seq_len * shape.head_dim * 4
+    new_head = head_gradient_in_flight_bytes(shape, cfg)
     base = dict(weights=states.weights, optimizer_states=states.optimizer_states)
     moments = {
         "backward_start": dict(base, gradients=accumulated, activations=acts,
                                temporaries=2 * loss_bytes(shape, cfg) + dequant_bytes(shape, cfg)),
         "backward_last": dict(base, gradients=max(accumulated, head_grads),
                               activations=acts - loss_bytes(shape, cfg) - head_bytes(shape, cfg),
-                              temporaries=buffers + (recomputed - ckpt_input if last_ckpt else 0)),
+                              temporaries=buffers + new_head + (recomputed - ckpt_input if last_ckpt else 0)),
         "backward_first": dict(base, gradients=max(accumulated, grads_before_first),
                                activations=small + (0 if ckpt_every else layer),
                                temporaries=buffers + (recomputed if ckpt_every else 0)),
@@ -79,6 +81,19 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig, states: ModelStates) -> d
                                temporaries=states.optimizer_scratch),
     }
     return moments
+
+
+def head_gradient_in_flight_bytes(shape: ModelShape, cfg: RunConfig) -> int:
+    """The lm_head's new gradient as autograd makes it, beside the gradients already counted (full
+    fine-tuning): under autocast its 16-bit copy's gradient, cast to the weight's dtype; where gradients
+    already exist (earlier micro-batches, DDP's buckets) that cast is a temporary too until it is added to
+    them. Measured on a 124.7M-parameter Llama (32,000-token vocabulary, bf16-mixed, grad_accum 2): 6 bytes
+    per lm_head parameter beside the accumulated gradients."""
+    if cfg.method != "full":
+        return 0
+    copy = shape.head_params * compute_size(cfg) if compute_size(cfg) != weight_size(cfg) else 0
+    accumulating = cfg.batch.grad_accum > 1 or sharding_entry(cfg.distributed.sharding).gradient_buckets
+    return copy + (head_gradient_bytes(shape, cfg) if accumulating else 0)
 
 
 def with_engine_holdings(moments: dict[str, dict[str, int]], states: ModelStates) -> dict[str, dict[str, int]]:
@@ -137,7 +152,7 @@ def eval_bytes(shape: ModelShape, cfg: RunConfig) -> int:
              + dequant_bytes(shape, cfg))
     copies = 0  # autocast caches its 16-bit casts of weights that require grad, also under no_grad
     if cfg.method == "full" and c != weight_size(cfg):
-        copies = 2 * (shape.block_linear_params + (shape.lm_head_params or shape.embedding_params))
+        copies = 2 * (shape.block_linear_params + shape.head_params)
     return int(weights_bytes(shape, cfg) + optimizer_state_bytes(shape, cfg) + copies
                + 2 * tokens * shape.hidden * c + max(layer, loss))
 
@@ -219,6 +234,18 @@ class StrategyTerms:
     def mlp_buffer_bytes(self) -> int:
         """The gradients of one layer's MLP intermediates in its backward, all tokens."""
         return mlp_gradient_buffers(self.shape, self.cfg)
+
+    @property
+    def mlp_weight_gradient_bytes(self) -> int:
+        """One layer's MLP weight gradients, when they train (full fine-tuning)."""
+        if self.cfg.method != "full":
+            return 0
+        params = sum(i * o for _, role, i, o in self.shape.roles if role in (MLP_INPUT, MLP_OUTPUT))
+        return params * trainable_value_bytes(self.cfg)
+
+    @property
+    def head_gradient_in_flight_bytes(self) -> int:
+        return head_gradient_in_flight_bytes(self.shape, self.cfg)
 
     @property
     def largest_param_bytes(self) -> int:

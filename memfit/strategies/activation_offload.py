@@ -27,7 +27,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import _disable_current_modes
 
-from memfit.strategies.step_strategy import PIPELINE_NOT_PLANNED, StepSettings, StepStrategy
+from memfit.strategies.step_strategy import WAITING, StepSettings, StepStrategy
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,8 @@ def _offload_peak(moments: dict, terms) -> None:
     moments["backward_start"]["activations"] = min(moments["backward_start"]["activations"],
                                                    terms.saved_loss_bytes + back)
     moments["backward_last"]["activations"] = min(moments["backward_last"]["activations"], back)
+    if WAITING in moments:  # a pipeline micro-batch waiting for its backward keeps its saved tensors on the host
+        moments[WAITING]["activations"] = 0
 
 
 def _offload_host_bytes(terms) -> int:
@@ -251,7 +253,6 @@ ACTIVATION_OFFLOAD = StepStrategy(
         activation_offload(True, device, params, traced=traced, prefetch=activation_offload_prefetch)},
     peak=_offload_peak, host_bytes=_offload_host_bytes, work=_offload_work, rules=_offload_problems,
     lean=(False, True), cuda_only=True, without_deepspeed="not supported",
-    without_pipeline=PIPELINE_NOT_PLANNED,
     options={"activation_offload_prefetch": (bool, dict(default=False, description=(
         "With memory.activation_offload and memory.checkpointing: full, bring the next layer's input back "
         "while the current layer recomputes (the copy overlaps compute; one more layer input on the GPU)")))},

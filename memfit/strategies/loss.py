@@ -129,6 +129,8 @@ def _chunked_peak(moments: dict, terms) -> None:
     moments["backward_start"]["activations"] -= terms.loss_bytes
     moments["backward_start"]["temporaries"] += (3 * terms.chunk_bytes - 2 * terms.loss_bytes
                                                  + 2 * terms.head_gradient_bytes)
+    # the lm_head's gradient is made in the chunks, before the last layer's backward
+    moments["backward_last"]["temporaries"] -= terms.head_gradient_in_flight_bytes
 
 
 def _chunked_work(terms) -> dict[str, float]:

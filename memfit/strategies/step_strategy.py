@@ -10,7 +10,8 @@ ones memfit has (memfit/strategies/table.py lists them). Its entry, beside its t
               applied by `memfit.build.build_run` after the method (so the trace sees it too)
   options     its settings besides the switch: config field name -> (type, pydantic Field keywords);
               `hooks`, `model_hook` and `rules` receive their values as keyword arguments of those names
-  peak        what it changes in the analytic estimate's peak candidates (memory/single_device.py)
+  peak        what it changes in the analytic estimate's peak candidates (memory/single_device.py; and
+              the WAITING moment below, when a pipeline stage's estimate has it)
   host_bytes  the host RAM it adds (memory/analytic.py)
   work        the work it adds to a step: matmul "flops", "host_bytes" over the host link
               (memory/costs.py turns them into the seconds the planner ranks plans by)
@@ -31,8 +32,8 @@ run's sizes and settings: shape, device, options (the strategies' own settings b
 micro_batches, loss_bytes (the fp32 log-softmax the plain loss saves), saved_loss_bytes (what the loss
 keeps for backward under this run's strategies), chunk_bytes, layer_bytes, hidden_bytes, live_layers,
 any_layer_checkpointed, last_layer_checkpointed, mlp_saved_bytes, mlp_input_bytes,
-attention_buffer_bytes, mlp_buffer_bytes, largest_param_bytes, largest_param_update_bytes, head_gradient_bytes
-and activation_bytes.
+attention_buffer_bytes, mlp_buffer_bytes, mlp_weight_gradient_bytes, largest_param_bytes,
+largest_param_update_bytes, head_gradient_bytes, head_gradient_in_flight_bytes and activation_bytes.
 A strategy whose memory depends on a size not listed there adds a property to StrategyTerms.
 """
 
@@ -42,9 +43,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 
-# why a strategy the pipeline could run is refused there: the per-stage estimate (GPipe's own moments,
-# memory/distributed_estimate.py) does not model it, and memfit does not run what it cannot plan
-PIPELINE_NOT_PLANNED = "the per-stage pipeline estimate does not model it"
+# A moment a pipeline schedule adds to the peak candidates (memory/distributed_estimate.py): one pipeline
+# micro-batch's saved tensors from the end of its forward until its backward, {"activations": bytes} on
+# the device. A strategy that changes what a forward saves, or where it keeps it, changes this moment too.
+WAITING = "waiting"
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memfit.errors import MemfitError
-from memfit.strategies.step_strategy import PIPELINE_NOT_PLANNED, StepSettings, StepStrategy
+from memfit.strategies.step_strategy import WAITING, StepSettings, StepStrategy
 
 log = logging.getLogger(__name__)
 
@@ -101,19 +101,23 @@ def _tiled_peak(moments: dict, terms) -> None:
     """Layers that are not checkpointed save their MLP input instead of its intermediates. In a layer's
     backward one slice's intermediates (recomputed, if the layer is checkpointed) and their gradients
     are alive instead of all tokens'; the attention's gradient buffers then bound that moment from
-    below, as they exceed one slice's."""
+    below, as they exceed one slice's; under full fine-tuning the sum of the slices' weight gradients too."""
     kept = _fraction(terms)
     if kept >= 1:  # one slice holds every token: `tiled_forward` runs the MLP as it is
         return
     intermediates = terms.mlp_saved_bytes - terms.mlp_input_bytes
     saved_delta = max(0, terms.mlp_saved_bytes - terms.hidden_bytes)
     buffers_freed = terms.mlp_buffer_bytes - max(kept * terms.mlp_buffer_bytes, terms.attention_buffer_bytes)
-    for moment in ("backward_start", "backward_last"):
-        moments[moment]["activations"] -= terms.live_layers * saved_delta
+    # autograd sums the slices' weight gradients in its own buffer before they reach .grad: that sum and
+    # the newest slice's gradients are alive in a tiled layer's backward (full fine-tuning)
+    summed = 2 * terms.mlp_weight_gradient_bytes
+    for moment in ("backward_start", "backward_last", WAITING):
+        if moment in moments:
+            moments[moment]["activations"] -= terms.live_layers * saved_delta
     for moment, checkpointed in (("backward_last", terms.last_layer_checkpointed),
                                  ("backward_first", terms.any_layer_checkpointed)):
         recomputed = (1 - kept) * intermediates if checkpointed else 0
-        moments[moment]["temporaries"] -= int(recomputed + max(0, buffers_freed))
+        moments[moment]["temporaries"] += summed - int(recomputed + max(0, buffers_freed))
     if not terms.any_layer_checkpointed:  # the first layer's own saved MLP tensors
         moments["backward_first"]["activations"] -= saved_delta
 
@@ -145,7 +149,6 @@ TILED_MLP = StepStrategy(
     hooks=lambda device, optimizer, params, traced, tiled_mlp_slices: {},
     model_hook=lambda model, tiled_mlp_slices: apply_tiled_mlp(model, tiled_mlp_slices),
     peak=_tiled_peak, work=_tiled_work, rules=_tiled_problems,
-    without_pipeline=PIPELINE_NOT_PLANNED,
     model_problem=lambda shape: None if shape.gated_mlp else
     "memory.tiled_mlp tiles gated MLPs only (gate_proj, up_proj, down_proj); this model's MLP is not one",
     options={"tiled_mlp_slices": (int | None, dict(default=None, ge=1, description=(

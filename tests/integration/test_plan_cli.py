@@ -43,6 +43,17 @@ def test_json_write_config_and_train_one_step(tmp_path, capsys):
     assert len(run.losses) == 1 and run.losses[0] > 0
 
 
+def test_a_plan_that_does_not_fit_is_not_written(tmp_path, capsys):
+    """Nothing fits the budget: no file, exit status 1, and the closest plan of each family listed."""
+    path = tmp_path / "plan.yaml"
+    assert main(["plan", "meta-llama/Llama-3.1-8B", "--budget", "1GiB", "--seq-len", "2048", "--micro-batch", "1",
+                 "--host-ram", "unlimited", "--write-config", str(path)]) == 1
+    captured = capsys.readouterr()
+    assert not path.exists()
+    assert f"{path} was not written" in captured.err and "closest plan of each family" in captured.err
+    assert "QLoRA" in captured.out and "needs" in captured.out  # the family lines say by how much each misses
+
+
 def test_chart_is_a_png(tmp_path):
     chart = tmp_path / "plans.png"
     assert main(["plan", "meta-llama/Llama-3.2-1B", "--budget", "16GiB", "--chart", str(chart)]) == 0

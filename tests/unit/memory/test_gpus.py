@@ -20,18 +20,30 @@ def test_aliases_resolve(name, key):
 
 
 def test_every_canonical_id_and_display_name_resolves_to_itself():
-    assert set(GPUS) == {"rtx3090", "rtx4090", "l4", "a100-40gb", "a100-80gb", "h100", "h200"}
+    assert set(GPUS) == {"rtx3090", "rtx4090", "rtx5090", "rtx-a6000", "rtx6000-ada", "l40s", "l4", "a100-40gb",
+                         "a100-80gb", "h100", "h200"}
     for key, gpu in GPUS.items():
         assert find_gpu(key) is gpu and find_gpu(gpu.name) is gpu
     assert DEFAULT_GPU == "rtx4090" and DEFAULT_GPU in GPUS
 
 
-@pytest.mark.parametrize("name", ["rtx 5090", "a100", "", "h100x"])
+@pytest.mark.parametrize("name", ["rtx 5080", "a100", "", "h100x"])
 def test_unknown_name_raises_listing_all_names(name):
     with pytest.raises(MemfitError) as err:
         find_gpu(name)
-    assert str(err.value) == (f"--gpu: unknown '{name}'; known: RTX 3090, RTX 4090, L4, A100-40GB, A100-80GB, H100, "
-                              "H200")
+    assert str(err.value) == (f"--gpu: unknown '{name}'; known: RTX 3090, RTX 4090, RTX 5090, RTX A6000, "
+                              "RTX 6000 Ada, L40S, L4, A100-40GB, A100-80GB, H100, H200")
+
+
+@pytest.mark.parametrize("name, key", [("RTX 5090", "rtx5090"), ("5090", "rtx5090"), ("A6000", "rtx-a6000"),
+                                       ("rtx a6000", "rtx-a6000"), ("6000 Ada", "rtx6000-ada"), ("L40S", "l40s")])
+def test_the_48gb_cards_and_the_5090_resolve(name, key):
+    assert find_gpu(name) is GPUS[key]
+
+
+def test_the_48gb_cards_hold_about_48_gib_and_the_5090_about_30():
+    assert all(44 * GiB < GPUS[k].memory_bytes <= 48 * GiB for k in ("rtx-a6000", "rtx6000-ada", "l40s"))
+    assert 29 * GiB < GPUS["rtx5090"].memory_bytes < 30 * GiB
 
 
 @pytest.mark.parametrize("key", sorted(GPUS))

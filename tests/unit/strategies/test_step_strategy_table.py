@@ -110,7 +110,8 @@ def test_the_rules_get_the_run_settings_as_values_and_refuse_what_the_config_ref
 SHARDED_RUNS = {  # per-rank estimates on 4 GPUs: each engine family the search offers full fine-tuning
     "zero1": ["distributed.sharding=zero1"], "zero3": ["distributed.sharding=zero3"],
     "zero3+offload": ["distributed.sharding=zero3", "distributed.offload=all"],
-    "tensor parallel": ["distributed.tensor_parallel=4"]}
+    "tensor parallel": ["distributed.tensor_parallel=4"],
+    "pipeline parallel": ["distributed.pipeline_parallel=4", "optim.max_grad_norm=null"]}
 
 
 @pytest.mark.parametrize("engine", list(SHARDED_RUNS))
