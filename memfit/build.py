@@ -19,12 +19,13 @@ from torch import nn
 
 from memfit.config import RunConfig
 from memfit.config.step_rules import strategy_options
+from memfit.models.load_plan import streams_to_device
 from memfit.models.loading import build_model
 from memfit.strategies.adapters import apply_method
 from memfit.strategies.checkpointing import apply_checkpointing
 from memfit.strategies.optimizers import build_optimizer
 from memfit.strategies.precision import PrecisionPlan, make_precision
-from memfit.strategies.quantization import compute_dtype, quantized_loading
+from memfit.strategies.quantization import compute_dtype, quantized_loading, quantizes_after_loading
 from memfit.strategies.table import STEP_STRATEGIES
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -59,7 +60,7 @@ def build_run(cfg: RunConfig, device: torch.device, on_meta: bool = False, wrap:
     quantize_on_load: quantize while loading weights (transformers' quantization config); the
     tracer, which loads nothing, quantizes the meta model instead."""
     precision = make_precision(cfg.precision, device)
-    load_kwargs = configured_quantized_loading(cfg, device) if quantize_on_load else None
+    load_kwargs = loading_kwargs(cfg, device, place_on) if quantize_on_load else None
     model = build_model(cfg.model, attention or cfg.memory.attention, dtype=precision.weight_dtype, on_meta=on_meta,
                         load_kwargs=load_kwargs)
     model.config.use_cache = False  # no KV cache in training; a cache also turns off packed masks (data/packing.py)
@@ -81,6 +82,17 @@ def apply_configured_method(model: nn.Module, cfg: RunConfig, device: torch.devi
                         train_embeddings=lora.train_embeddings, train_lm_head=lora.train_lm_head,
                         quant_scheme=cfg.quant.scheme, quant_backend=cfg.quant.backend,
                         quant_dtype=quant_compute_dtype(cfg), precision=cfg.precision, device=device)
+
+
+def loading_kwargs(cfg: RunConfig, device: torch.device, place_on: torch.device | str | None) -> dict:
+    """from_pretrained's extra keywords: bitsandbytes' quantization config, and for a process that keeps the
+    whole model on its CUDA device (`place_on`) a device map, so the checkpoint goes there tensor by tensor
+    and never whole to the host (memfit/models/load_plan.py)."""
+    kwargs = configured_quantized_loading(cfg, device)
+    after = quantizes_after_loading(method=cfg.method, scheme=cfg.quant.scheme, backend=cfg.quant.backend)
+    if place_on is not None and streams_to_device(cfg, torch.device(place_on).type, after):
+        kwargs = {"device_map": {"": str(place_on)}, **kwargs}
+    return kwargs
 
 
 def configured_quantized_loading(cfg: RunConfig, device: torch.device | None = None) -> dict:

@@ -45,15 +45,14 @@ from memfit.distributed.launch import DistContext
 from memfit.distributed.modules import decoder_blocks, place
 from memfit.distributed.pipeline import build_pipeline
 from memfit.distributed.tensor_parallel import apply_tensor_parallel, parallelize
-from memfit.strategies.engines import model_parallel_in_use, offload_entry, sharding_entry
+from memfit.models.load_plan import hands_out_parts
+from memfit.strategies.engines import offload_entry, sharding_entry
 
 
 def shards_from_rank0(cfg, ctx: DistContext) -> bool:
     """Whether the engine hands each rank its part of rank 0's model (FSDP2 broadcast, tensor-parallel
     scatter, pipeline stage sends, DeepSpeed ZeRO-3's conversion) rather than a full replica."""
-    distributed = cfg.distributed
-    return ctx.enabled and (sharding_entry(distributed.sharding).fsdp2
-                            or bool(model_parallel_in_use(distributed.model_dump())) or loads_from_rank0(cfg, ctx))
+    return ctx.enabled and (hands_out_parts(cfg) or loads_from_rank0(cfg, ctx))
 
 
 def builds_on_meta(cfg, ctx: DistContext) -> bool:

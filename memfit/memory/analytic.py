@@ -21,9 +21,10 @@ from memfit.memory.model_shape import ModelShape, model_shape
 from memfit.memory.model_states import ModelStates, model_states, optimizer_state_bytes, weights_bytes
 from memfit.memory.phases import phase_peaks
 from memfit.memory.single_device import (ALLOCATOR_SEGMENT_BYTES, beyond_basics_terms, cpu_ram_bytes, eval_bytes,
-                                         peak_candidates, runtime_overheads, strategy_host_bytes,
+                                         host_peak_bytes, peak_candidates, runtime_overheads, strategy_host_bytes,
                                          with_engine_holdings)
 from memfit.memory.tracker import CATEGORIES
+from memfit.models.load_plan import load_beside_host_states
 from memfit.models.loading import load_model_config
 from memfit.strategies.optimizers import optimizer_entry
 
@@ -72,7 +73,7 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
             if top != "step":
                 notes.append(f"the run's GPU peak is the {top.replace('_', ' ')} phase, not the step")
     return Estimate(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved, by_category=by_category,
-                    overheads=overheads, cpu_ram_bytes=int(sum(ram.values())), engine="analytic", notes=notes,
+                    overheads=overheads, cpu_ram_bytes=host_peak_bytes(ram, load_beside_host_states(cfg, device)), engine="analytic", notes=notes,
                     phases=phases)
 
 

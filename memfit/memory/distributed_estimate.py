@@ -41,7 +41,7 @@ from memfit.memory.activations import activation_bytes, tokens_of, weight_copies
 from memfit.memory.model_shape import ATTENTION_OUTPUT, MLP_OUTPUT, ModelShape
 from memfit.memory.model_states import (ModelStates, compute_size, gradient_bytes, largest_param_bytes, model_states,
                                         optimizer_scratch, optimizer_state_bytes, weight_size, weights_bytes)
-from memfit.memory.single_device import beyond_basics_terms, peak_candidates
+from memfit.memory.single_device import beyond_basics_terms, load_bytes, peak_candidates
 from memfit.strategies.step_strategy import WAITING
 from memfit.strategies.engines import offload_entry, sharding_entry
 
@@ -221,14 +221,12 @@ def zero_model_states_like_deepspeed(total_params: int, largest_layer_params: in
 
 
 def node_cpu_ram(ram: dict[str, int], shape, cfg, gpus: int, device: str = "cuda") -> dict[str, int]:
-    """Host RAM of one node running `gpus` ranks, from the single-process terms (`ram`).
-
-    Every rank has its own runtime, data pipeline, offloaded shards (and on a CPU device its
-    training state). Loading: with zero2/zero3 only rank 0 materialises the model (the others
-    build on meta and receive shards); ddp/zero1 and tensor/pipeline parallel build it on every rank."""
+    """Host RAM of one node running `gpus` ranks, from the single-process terms (`ram`): every rank has its
+    own runtime, data pipeline, offloaded shards (and on a CPU device its training state); the load is the
+    node's by memfit/models/load_plan.py (rank 0 alone builds the model where the engine hands out parts,
+    each rank streams to its GPU or builds its own copy otherwise)."""
     if gpus <= 1:
         return ram
     out = {key: value * gpus for key, value in ram.items() if key != "model_load"}
-    if "model_load" in ram:
-        out["model_load"] = ram["model_load"] * (1 if sharding_entry(cfg.distributed.sharding).fsdp2 else gpus)
+    out["model_load"] = load_bytes(shape, cfg, device, gpus)
     return out

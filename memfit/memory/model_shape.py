@@ -50,6 +50,7 @@ class ModelShape:
     block_prefix: str = ""      # the first block's module name ("model.layers.0")
     roles: tuple = field(default=())  # (path in a block, role, in_features, out_features) of each block linear
     head: bool = True           # computes the final norm, lm_head and loss (False: a pipeline stage before the last)
+    checkpoint_bytes: int = 2   # bytes per parameter of its released weights (config.json's dtype)
 
     @property
     def family(self) -> str:
@@ -182,7 +183,17 @@ def _shape_cached(config_json: str) -> ModelShape:
         vocab=text.vocab_size, experts_per_token=getattr(text, "num_experts_per_tok", None) or 1,
         norms_per_layer=_norms(block) if block is not None else 2, total_params=total,
         embedding_params=embedding_params, lm_head_params=0 if (tied or head is None) else head.weight.numel(),
-        linear=tuple(linear), gated_mlp=gated, block_prefix=prefix, roles=_roles(block, hidden) if block is not None else ())
+        linear=tuple(linear), gated_mlp=gated, block_prefix=prefix, roles=_roles(block, hidden) if block is not None else (),
+        checkpoint_bytes=_checkpoint_bytes(config))
+
+
+def _checkpoint_bytes(config) -> int:
+    """Bytes per parameter of the released weights: config.json's dtype; a config that names none (GPT-2's)
+    was saved in fp32, which is also what transformers assumes for it."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    return dtype.itemsize if isinstance(dtype, torch.dtype) else 4
 
 
 def model_shape(model_config) -> ModelShape:

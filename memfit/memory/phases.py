@@ -21,7 +21,7 @@ def load_phase(shape: ModelShape, cfg, weights: int, host_load: int, host_base: 
     Quantized base (QLoRA, int8): transformers + bitsandbytes move each 16-bit linear to the GPU and
     quantize it there, so one 16-bit block linear and its fp32 block statistics exist beside the
     already quantized model. Otherwise each tensor is cast to the training dtype once: one fp32 copy
-    of the largest tensor in flight. Host RAM: the loading path's one materialised copy."""
+    of the largest tensor in flight. Host RAM: the load term (memfit/models/load_plan.py)."""
     if cfg.quant.scheme != "none":
         in_flight = max(i * o for _, i, o in shape.linear) * (2 + 4)
     else:

@@ -19,10 +19,12 @@ from memfit.memory.activations import (activation_bytes, attention_scores_bytes,
 from memfit.memory.families import family_of
 from memfit.memory.model_shape import MLP_INPUT, MLP_OUTPUT, ModelShape, trainable_value_bytes
 from memfit.memory.model_states import (ModelStates, compute_size, gradient_bytes, half_weights, head_gradient_bytes,
-                                        largest_param_bytes, optimizer_scratch, optimizer_state_bytes, weight_size,
-                                        weights_bytes)
+                                        largest_param_bytes, optimizer_scratch, optimizer_state_bytes, quantized,
+                                        weight_size, weights_bytes)
+from memfit.models.load_plan import node_load_bytes
 from memfit.strategies.engines import sharding_entry
 from memfit.strategies.loss import auto_chunk_tokens
+from memfit.strategies.quantization import QuantizationError, choose_backend
 from memfit.strategies.table import STEP_STRATEGIES
 
 MiB, GiB = 2**20, 2**30
@@ -120,14 +122,33 @@ def runtime_overheads(cfg: RunConfig, device: str, transient_bytes: int) -> dict
             "allocator_reserve": int(transient_bytes)}
 
 
+def load_bytes(shape: ModelShape, cfg: RunConfig, device: str, ranks: int = 1) -> int:
+    """Host RAM the loading processes of a node hold while they load (memfit/models/load_plan.py)."""
+    try:
+        backend = choose_backend(cfg.quant.scheme, cfg.quant.backend) if quantized(cfg) else None
+    except QuantizationError:  # nothing here can quantize it: the trainer refuses such a run before it loads
+        backend = None
+    return node_load_bytes(cfg, device, ranks, shape.total_params, weight_size(cfg), shape.checkpoint_bytes,
+                           shape.largest_tensor_params, quantized_after_load=backend == "torchao",
+                           quantized_while_loading=backend == "bitsandbytes")
+
+
+def host_peak_bytes(ram: dict[str, int], load_beside_states: bool = False) -> int:
+    """The host RAM peak from its terms: the runtime and the data side throughout, and the larger of the
+    load (before the first step) and what the steps hold (offloaded states, parked activations, a CPU
+    run's training state); both together where the engine places its host states while loading
+    (`load_plan.load_beside_host_states`)."""
+    base = ram.get("runtime", 0) + ram.get("data", 0)
+    step = sum(value for key, value in ram.items() if key not in ("runtime", "data", "model_load"))
+    load = ram.get("model_load", 0)
+    return base + (load + step if load_beside_states else max(load, step))
+
+
 def cpu_ram_bytes(shape: ModelShape, cfg: RunConfig, device: str) -> dict[str, int]:
-    """Host RAM: the runtime, the loading path, the data side, anything offloaded."""
+    """Host RAM of one process by term: the runtime, the load (memfit/models/load_plan.py), the data side;
+    analytic_estimate adds what the steps park there. `host_peak_bytes` makes the peak of them."""
     terms = {"runtime": CPU_RUNTIME_BYTES + (CUDA_HOST_BYTES if device == "cuda" else 0)}
-    # safetensors are memory-mapped; from_pretrained materialises one full copy in the load dtype, counted
-    # at the compute dtype's size (on CUDA it then moves to the GPU and the host copy is freed, so the peak
-    # is one copy).
-    load = shape.total_params * compute_size(cfg)
-    terms["model_load"] = load
+    terms["model_load"] = load_bytes(shape, cfg, device)
     # The data path's own estimate; a data.path that cannot be read here stops the plan with its DataError.
     terms["data"] = int(estimate_data_ram_bytes(cfg))
     if device == "cpu":  # training on CPU: the whole training state lives in RAM

@@ -153,6 +153,11 @@ def bitsandbytes_config(scheme: str, dtype: torch.dtype):
                               bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
 
 
+def quantizes_after_loading(*, method: str, scheme: str, backend: str) -> bool:
+    """A quantized base that torchao quantizes once it is loaded (bitsandbytes quantizes while loading)."""
+    return method != "full" and scheme != "none" and choose_backend(scheme, backend) == "torchao"
+
+
 def quantized_loading(*, method: str, scheme: str, backend: str, dtype: torch.dtype,
                       device: torch.device | None = None) -> dict:
     """from_pretrained kwargs that load real weights straight into bitsandbytes layers ({} when the

@@ -103,6 +103,14 @@ def check_long_context(tmp: Path) -> None:
     assert re.fullmatch(rf"{NUMBER} / {NUMBER} MiB", plain[1])
 
 
+def check_load_ram(tmp: Path) -> None:
+    out = tmp / "load.md"
+    run_bench("load_ram.py", "--layers", "1", "--hidden", "128", "--vocab", "512", "--files", "2",
+              "--cases", "full bf16-pure", "--out", out)
+    rows = table_rows(out.read_text(), "full bf16-pure")
+    assert len(rows) == 1 and all(cell.endswith("MiB") for cell in (rows[0][1], rows[0][2], rows[0][4]))
+
+
 def check_lora(tmp: Path) -> None:
     done = run_bench("lora.py", "--layers", "1", "--hidden", "64", "--vocab", "256", "--seq-len", "32",
                      "--micro-batch", "1", "--steps", "1", "--variants", "full", "lora")

@@ -53,7 +53,8 @@ def test_offloaded_host_ram_is_each_ranks_shard_of_every_state(shape, sharding):
     assert rank.host_bytes == shard and rank.optimizer_scratch == 0  # nothing of the step on the GPU
     estimate = analytic_estimate(cfg, load_model_config(cfg.model)[0], device="cuda", gpus=4)
     base = cpu_ram_bytes(shape, cfg, "cuda")  # one process: runtime, the loading copy, data
-    # per node: every rank's runtime, data and offloaded shard; one loading copy (rank 0's)
+    # per node: every rank's runtime, data and offloaded shard, and rank 0's copy while it loads: FSDP2 places
+    # the host shards before that copy is broadcast and dropped (load_plan.load_beside_host_states)
     assert estimate.cpu_ram_bytes == 4 * (base["runtime"] + base["data"]) + base["model_load"] + 4 * shard
 
 
