@@ -72,9 +72,9 @@ def analytic_estimate(cfg: RunConfig, model_config=None, device: str = "cuda", g
             top = max(phases, key=lambda name: phases[name]["gpu"])
             if top != "step":
                 notes.append(f"the run's GPU peak is the {top.replace('_', ' ')} phase, not the step")
+    host = host_peak_bytes(ram, load_beside_host_states(cfg, device))
     return Estimate(peak_allocated_bytes=allocated, peak_reserved_bytes=reserved, by_category=by_category,
-                    overheads=overheads, cpu_ram_bytes=host_peak_bytes(ram, load_beside_host_states(cfg, device)), engine="analytic", notes=notes,
-                    phases=phases)
+                    overheads=overheads, cpu_ram_bytes=host, engine="analytic", notes=notes, phases=phases)
 
 
 def step_moments(shape: ModelShape, cfg: RunConfig, device: str, gpus: int,

@@ -172,8 +172,9 @@ def pipeline_moments(shape: ModelShape, cfg, device: str, stage: int) -> dict[st
     every forward, then every backward. Each pipeline micro-batch's backward is one device's moments
     (`peak_candidates` with every step strategy's terms) on the stage's part of the model, while the
     micro-batches not yet through their backward wait with what their forwards saved (the WAITING moment,
-    which the strategies change too) and the stage's output, which the schedule keeps for the backward. The first backward starts with no gradients; the later ones (the largest: the
-    second) add to every gradient of the stage, with one micro-batch fewer waiting."""
+    which the strategies change too) and the stage's output, which the schedule keeps for the backward.
+    The first backward starts with no gradients; the later ones (the largest: the second) add to every
+    gradient of the stage, with one micro-batch fewer waiting."""
     n = cfg.batch.micro_batch
     part = stage_shape(shape, cfg, stage)
     one = cfg.updated({"batch.micro_batch": 1})

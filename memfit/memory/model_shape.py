@@ -183,8 +183,8 @@ def _shape_cached(config_json: str) -> ModelShape:
         vocab=text.vocab_size, experts_per_token=getattr(text, "num_experts_per_tok", None) or 1,
         norms_per_layer=_norms(block) if block is not None else 2, total_params=total,
         embedding_params=embedding_params, lm_head_params=0 if (tied or head is None) else head.weight.numel(),
-        linear=tuple(linear), gated_mlp=gated, block_prefix=prefix, roles=_roles(block, hidden) if block is not None else (),
-        checkpoint_bytes=_checkpoint_bytes(config))
+        linear=tuple(linear), gated_mlp=gated, block_prefix=prefix,
+        roles=_roles(block, hidden) if block is not None else (), checkpoint_bytes=_checkpoint_bytes(config))
 
 
 def _checkpoint_bytes(config) -> int:
