@@ -17,14 +17,14 @@ from memfit.memory.activations import (activation_bytes, attention_scores_bytes,
                                        mlp_gradient_buffers, mlp_input_bytes_per_token, mlp_saved_bytes_per_token,
                                        mlp_width, tokens_of)
 from memfit.memory.families import family_of
-from memfit.memory.model_shape import MLP_INPUT, MLP_OUTPUT, ModelShape, trainable_value_bytes
+from memfit.memory.model_shape import MLP_INPUT, MLP_OUTPUT, ModelShape, block_linears, trainable_value_bytes
 from memfit.memory.model_states import (ModelStates, compute_size, gradient_bytes, half_weights, head_gradient_bytes,
-                                        largest_param_bytes, optimizer_scratch, optimizer_state_bytes, quantized,
-                                        weight_size, weights_bytes)
+                                        largest_param_bytes, optimizer_scratch, optimizer_state_bytes, weight_size,
+                                        weights_bytes)
 from memfit.models.load_plan import node_load_bytes
 from memfit.strategies.engines import sharding_entry
 from memfit.strategies.loss import auto_chunk_tokens
-from memfit.strategies.quantization import QuantizationError, choose_backend
+from memfit.strategies.quantization import QuantizationError, quantizes_after_loading, quantizes_while_loading
 from memfit.strategies.table import STEP_STRATEGIES
 
 MiB, GiB = 2**20, 2**30
@@ -124,13 +124,13 @@ def runtime_overheads(cfg: RunConfig, device: str, transient_bytes: int) -> dict
 
 def load_bytes(shape: ModelShape, cfg: RunConfig, device: str, ranks: int = 1) -> int:
     """Host RAM the loading processes of a node hold while they load (memfit/models/load_plan.py)."""
+    method = dict(method=cfg.method, scheme=cfg.quant.scheme, backend=cfg.quant.backend)
     try:
-        backend = choose_backend(cfg.quant.scheme, cfg.quant.backend) if quantized(cfg) else None
+        after, during = quantizes_after_loading(**method), quantizes_while_loading(**method)
     except QuantizationError:  # nothing here can quantize it: the trainer refuses such a run before it loads
-        backend = None
+        after = during = False
     return node_load_bytes(cfg, device, ranks, shape.total_params, weight_size(cfg), shape.checkpoint_bytes,
-                           shape.largest_tensor_params, quantized_after_load=backend == "torchao",
-                           quantized_while_loading=backend == "bitsandbytes")
+                           shape.largest_tensor_params, quantized_after_load=after, quantized_while_loading=during)
 
 
 def host_peak_bytes(ram: dict[str, int], load_beside_states: bool = False) -> int:
@@ -261,7 +261,7 @@ class StrategyTerms:
         """One layer's MLP weight gradients, when they train (full fine-tuning)."""
         if self.cfg.method != "full":
             return 0
-        params = sum(i * o for _, role, i, o in self.shape.roles if role in (MLP_INPUT, MLP_OUTPUT))
+        params = sum(i * o for role in (MLP_INPUT, MLP_OUTPUT) for _, i, o in block_linears(self.shape, self.cfg, role))
         return params * trainable_value_bytes(self.cfg)
 
     @property

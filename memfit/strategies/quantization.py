@@ -153,8 +153,13 @@ def bitsandbytes_config(scheme: str, dtype: torch.dtype):
                               bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
 
 
+def quantizes_while_loading(*, method: str, scheme: str, backend: str) -> bool:
+    """A quantized base that bitsandbytes quantizes tensor by tensor as the weights load."""
+    return method != "full" and scheme != "none" and choose_backend(scheme, backend) == "bitsandbytes"
+
+
 def quantizes_after_loading(*, method: str, scheme: str, backend: str) -> bool:
-    """A quantized base that torchao quantizes once it is loaded (bitsandbytes quantizes while loading)."""
+    """A quantized base that torchao quantizes once it is loaded."""
     return method != "full" and scheme != "none" and choose_backend(scheme, backend) == "torchao"
 
 
@@ -162,7 +167,7 @@ def quantized_loading(*, method: str, scheme: str, backend: str, dtype: torch.dt
                       device: torch.device | None = None) -> dict:
     """from_pretrained kwargs that load real weights straight into bitsandbytes layers ({} when the
     base is not quantized or the backend is torchao, which quantizes after loading)."""
-    if method == "full" or scheme == "none" or choose_backend(scheme, backend) != "bitsandbytes":
+    if not quantizes_while_loading(method=method, scheme=scheme, backend=backend):
         return {}
     return {"quantization_config": bitsandbytes_config(scheme, dtype), "device_map": {"": str(device or "cpu")}}
 
