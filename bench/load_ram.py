@@ -1,16 +1,22 @@
-"""Host RAM while one process loads a model, beside the planner's load term (memfit/models/load_plan.py).
+"""Host RAM while a model loads, beside the planner's load term (memfit/models/load_plan.py): one process,
+and each of 2 gloo ranks of the engines that read a part per rank.
 
     .venv/bin/python bench/load_ram.py                       # a 0.5 B-parameter Llama in 4 safetensors files
     .venv/bin/python bench/load_ram.py --layers 2 --hidden 256 --out table.md   # a small one, quickly
+    .venv/bin/python bench/load_ram.py --ranks 2             # zero3, tensor parallel 2, QLoRA over zero3
 
 The model (random weights, bf16, `save_pretrained(max_shard_size=...)`) is written once to a temporary
-folder. Each case is a fresh child process on the CPU that imports memfit, then builds the run exactly
-as the trainer does (`memfit.build.build_run`, the weights loaded from that folder) while a thread reads
-/proc/self/status every 5 ms. Measured: the peak of anonymous RSS (RssAnon: memory the kernel cannot
-reclaim) above its value before loading, and beside it the peak growth of file-backed RSS (RssFile: the
-checkpoint's mapped pages, page cache the kernel can reclaim). Planned: the load term
-`memfit.memory.single_device.load_bytes` (memfit/models/load_plan.py: the copy a dtype-converting load
-makes on the host; same-dtype weights are views of the mapped file).
+folder. Each case is a fresh child process on the CPU (under torchrun for --ranks 2) that imports memfit,
+then builds the run exactly as the trainer does (`memfit.build.build_run`, the weights loaded from that
+folder; with 2 ranks through the trainer's engine, which shards the model and fills each rank's part)
+while a thread reads /proc/self/status every 5 ms. Measured: the peak of anonymous RSS (RssAnon: memory
+the kernel cannot reclaim) above its value before loading, and beside it the peak growth of file-backed
+RSS (RssFile: the checkpoint's mapped pages, page cache the kernel can reclaim). Planned, one process: the
+load term `memfit.memory.single_device.load_bytes` (the copy a dtype-converting load makes on the host;
+same-dtype weights are views of the mapped file). Planned, per rank: that rank's share of the node's load
+term (its tensor in flight) plus its part of the weights, which on the CPU stays in host RAM as the
+training state (`memfit.memory.distributed_estimate.rank_model_states`). The bound each rank must keep:
+its part + the largest checkpoint file + nothing else of the model.
 """
 
 from __future__ import annotations
@@ -33,11 +39,19 @@ CASES = {
     "QLoRA (torchao nf4)": ["method=qlora", "precision=bf16-mixed", "quant.backend=torchao"],
 }
 
+RANK_CASES = {
+    "zero3 bf16-mixed": ["method=full", "precision=bf16-mixed", "distributed.sharding=zero3"],
+    "tensor parallel 2, bf16-mixed": ["method=full", "precision=bf16-mixed", "distributed.tensor_parallel=2"],
+    "QLoRA over zero3 (torchao nf4)": ["method=qlora", "precision=bf16-mixed", "distributed.sharding=zero3"],
+}
+
 CHILD = '''
-import json, sys, threading, time
+import json, os, sys, threading, time
 import torch
 from memfit.build import build_run
 from memfit.config import load_config
+from memfit.distributed.engine import make_engine
+import peft, torchao.quantization  # imported before measuring: their import is not the load
 
 
 def status():
@@ -49,7 +63,7 @@ def status():
     return found
 
 
-cfg = load_config(None, sys.argv[2:])
+cfg = load_config(None, [arg for arg in sys.argv[1:] if arg != "--"])
 before, peak, done = status(), {"RssAnon": 0, "RssFile": 0}, threading.Event()
 
 
@@ -60,14 +74,23 @@ def watch():
         time.sleep(0.005)
 
 
+engine = make_engine(cfg, torch.device("cpu")) if "RANK" in os.environ else None
+before = status()
 watcher = threading.Thread(target=watch, daemon=True)
 watcher.start()
-run = build_run(cfg, torch.device("cpu"), place_on="cpu")
+if engine is None:
+    run = build_run(cfg, torch.device("cpu"), place_on="cpu")
+else:  # as the trainer builds it (memfit/train/loop.py)
+    run = build_run(cfg, engine.device, on_meta=engine.builds_on_meta, place_on=engine.place_on, wrap=engine.wrap,
+                    quant_shards=engine.quant_shards)
 done.set()
 watcher.join()
 for key, value in status().items():
     peak[key] = max(peak[key], value)
-print(json.dumps({"anon": peak["RssAnon"] - before["RssAnon"], "file": peak["RssFile"] - before["RssFile"]}))
+print(json.dumps({"rank": int(os.environ.get("RANK", 0)), "anon": peak["RssAnon"] - before["RssAnon"],
+                  "file": peak["RssFile"] - before["RssFile"]}))
+if engine is not None:
+    engine.teardown()
 '''
 
 
@@ -92,25 +115,50 @@ def write_model(folder: Path, layers: int, hidden: int, vocab: int, files: int) 
     return params
 
 
-def measure(folder: Path, overrides: list[str]) -> dict:
+def measure(folder: Path, overrides: list[str], ranks: int = 1) -> list[dict]:
+    """Each process's peak growth of anonymous and file-backed RSS while it builds the run."""
     args = [f"model.name={folder}", "model.init=pretrained", "device=cpu", *overrides]
-    done = subprocess.run([sys.executable, "-c", CHILD, "--", *args], capture_output=True, text=True, cwd=ROOT,
-                          timeout=1800, env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-                                             "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1",
-                                             "PATH": "/usr/bin:/bin"})
+    launch = [sys.executable, "-c", CHILD, "--"]
+    if ranks > 1:  # torchrun runs a file, not -c
+        script = folder.parent / "child.py"
+        script.write_text(CHILD)
+        launch = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(ranks), "--master-port",
+                  str(_free_port()), str(script), "--"]
+    done = subprocess.run([*launch, *args], capture_output=True, text=True, cwd=ROOT, timeout=1800,
+                          env={"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                               "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin",
+                               # glibc hands a freed block of 1 MiB or more back to the kernel at once (mmap),
+                               # so RSS follows the live tensors instead of the heap's fragmentation
+                               "MALLOC_MMAP_THRESHOLD_": str(2**20)})
     if done.returncode:
         sys.exit(f"{overrides}: exited {done.returncode}\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return sorted(rows, key=lambda row: row["rank"])
 
 
-def planned(folder: Path, overrides: list[str]) -> int:
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def planned(folder: Path, overrides: list[str], ranks: int = 1) -> tuple[int, int]:
+    """(the load term per process, the weights each process keeps: 0 for one process, whose model the load
+    term already is, or a rank's part of them)."""
     from memfit.config import load_config
+    from memfit.memory.distributed_estimate import rank_model_states, rank_shape
     from memfit.memory.model_shape import model_shape
     from memfit.memory.single_device import load_bytes
     from memfit.models.loading import load_model_config
 
     cfg = load_config(None, [f"model.name={folder}", "model.init=pretrained", "device=cpu", *overrides])
-    return load_bytes(model_shape(load_model_config(cfg.model)[0]), cfg, "cpu")
+    shape = model_shape(load_model_config(cfg.model)[0])
+    if ranks == 1:
+        return load_bytes(shape, cfg, "cpu"), 0
+    part = rank_model_states(rank_shape(shape, cfg), cfg, ranks, "cpu").weights
+    return load_bytes(shape, cfg, "cpu", ranks) // ranks, part
 
 
 def main() -> None:
@@ -119,36 +167,52 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1408)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--files", type=int, default=4, help="safetensors files to cut the checkpoint into")
-    parser.add_argument("--cases", nargs="+", default=list(CASES), choices=list(CASES), metavar="CASE")
+    parser.add_argument("--ranks", type=int, default=1, choices=(1, 2), help="2: each of 2 gloo ranks")
+    parser.add_argument("--cases", nargs="+", metavar="CASE", help="default: every case for --ranks")
     parser.add_argument("--out", type=Path, help="write the markdown table here")
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
+    cases = CASES if args.ranks == 1 else RANK_CASES
+    unknown = set(args.cases or ()) - set(cases)
+    if unknown:
+        parser.error(f"--cases: unknown {sorted(unknown)}; with --ranks {args.ranks}: {list(cases)}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="memfit-load-ram-") as tmp:
         folder = Path(tmp) / "model"
         params = write_model(folder, args.layers, args.hidden, args.vocab, args.files)
         files = sorted(folder.glob("*.safetensors"))
-        print(f"{params / 1e9:.3f} B parameters in {len(files)} files, largest "
-              f"{max(f.stat().st_size for f in files) / MiB:.1f} MiB", flush=True)
-        for name in args.cases:
-            found = measure(folder, CASES[name])
-            plan = planned(folder, CASES[name])
-            rows.append({"case": name, "overrides": CASES[name], "params": params, "files": len(files),
-                         "measured_bytes": found["anon"], "mapped_bytes": found["file"], "planned_bytes": plan})
-            print(f"{name}: anonymous {found['anon'] / MiB:.1f} MiB (mapped {found['file'] / MiB:.1f} MiB), "
-                  f"planned {plan / MiB:.1f} MiB", flush=True)
-    table = ["| case | anonymous RSS growth while loading | planned load term | planned - measured | "
-             "checkpoint pages mapped (reclaimable) |", "|---|---|---|---|---|"]
-    for r in rows:
-        gap = r["planned_bytes"] - r["measured_bytes"]
-        table.append(f"| {r['case']} | {r['measured_bytes'] / MiB:,.1f} MiB | {r['planned_bytes'] / MiB:,.1f} MiB | "
-                     f"{gap / MiB:+,.1f} MiB ({gap / max(r['measured_bytes'], r['planned_bytes'], 1):+.1%}) | "
-                     f"{r['mapped_bytes'] / MiB:,.1f} MiB |")
-    print("\n".join(table))
+        largest_file = max(f.stat().st_size for f in files)
+        print(f"{params / 1e9:.3f} B parameters in {len(files)} files, largest {largest_file / MiB:.1f} MiB", flush=True)
+        for name in args.cases or cases:
+            load, part = planned(folder, cases[name], args.ranks)
+            for found in measure(folder, cases[name], args.ranks):
+                rows.append({"case": name, "rank": found["rank"], "overrides": cases[name], "params": params,
+                             "files": len(files), "measured_bytes": found["anon"], "mapped_bytes": found["file"],
+                             "planned_bytes": load + part, "part_bytes": part, "largest_file_bytes": largest_file})
+                print(f"{name} (rank {found['rank']}): anonymous {found['anon'] / MiB:.1f} MiB (mapped "
+                      f"{found['file'] / MiB:.1f} MiB), planned {(load + part) / MiB:.1f} MiB", flush=True)
+    print("\n".join(table(rows, args.ranks)))
     if args.out:
-        args.out.write_text("\n".join(table) + "\n")
+        args.out.write_text("\n".join(table(rows, args.ranks)) + "\n")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
+
+
+def table(rows: list[dict], ranks: int) -> list[str]:
+    head = "| case | " + ("rank | " if ranks > 1 else "")
+    lines = [head + "anonymous RSS growth while loading | planned | planned - measured | checkpoint pages mapped "
+             "(reclaimable) |" + (" its part + largest file |" if ranks > 1 else ""),
+             "|---" * (5 + (ranks > 1) * 2) + "|"]
+    for r in rows:
+        gap = r["planned_bytes"] - r["measured_bytes"]
+        cells = [r["case"], *([str(r["rank"])] if ranks > 1 else []), f"{r['measured_bytes'] / MiB:,.1f} MiB",
+                 f"{r['planned_bytes'] / MiB:,.1f} MiB",
+                 f"{gap / MiB:+,.1f} MiB ({gap / max(r['measured_bytes'], r['planned_bytes'], 1):+.1%})",
+                 f"{r['mapped_bytes'] / MiB:,.1f} MiB"]
+        if ranks > 1:
+            cells.append(f"{(r['part_bytes'] + r['largest_file_bytes']) / MiB:,.1f} MiB")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 if __name__ == "__main__":

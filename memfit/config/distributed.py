@@ -16,6 +16,7 @@ from memfit.errors import MemfitError
 from memfit.strategies.engines import mesh_2d_degree, model_parallel_in_use, offload_entry, sharding_entry
 from memfit.strategies.optimizers import optimizer_entry
 from memfit.strategies.precision import precision_entry
+from memfit.strategies.quantization import sharded_quantization_problems
 
 # Module names the tensor-parallel plan shards; models whose blocks lack them are refused.
 LLAMA_FAMILY = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo", "olmo2", "granite")
@@ -46,8 +47,7 @@ def config_problems(cfg) -> list[str]:
         problems.append(f"method: {cfg.method} with tensor/pipeline parallel is not supported: use method: full, "
                         "or distributed.sharding: ddp/zero* for adapters")
     if cfg.quant.scheme != "none" and fsdp2:
-        problems.append(f"quant: {cfg.quant.scheme} with FSDP2 (zero2/zero3) is not supported: quantized (4-/8-bit) "
-                        "weights cannot be sharded here; use distributed.sharding: ddp")
+        problems += sharded_quantization_problems(cfg.quant.scheme, cfg.quant.backend, sharding)
     if precision_entry(cfg.precision).scaler and (fsdp2 or parallel):
         problems.append(f"precision: {cfg.precision}'s loss scaler does not handle sharded (DTensor) gradients here: "
                         "use bf16-mixed or bf16-pure")

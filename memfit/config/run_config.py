@@ -15,6 +15,7 @@ from memfit.config.schema import (BatchConfig, CheckpointConfig, DataConfig, Dis
                                   Precision, QuantConfig, _Section)
 from memfit.config.step_rules import step_strategy_problems
 from memfit.config.validation import PROBLEMS_SEPARATOR, ConfigError, validated
+from memfit.strategies.engines import sharding_entry
 from memfit.strategies.methods import METHODS, method_entry
 from memfit.strategies.optimizers import optimizer_problems
 from memfit.strategies.quantization import quantization_problems
@@ -89,13 +90,21 @@ class RunConfig(_Section):
     def _cross_field_rules(self) -> "RunConfig":
         """Every rule between fields, on every construction (YAML, command line, planner copies)."""
         problems = (config_problems(self) + deepspeed_problems(self)
-                    + quantization_problems(method=self.method, scheme=self.quant.scheme, backend=self.quant.backend,
+                    + quantization_problems(method=self.method, scheme=self.quant.scheme, backend=self.quant_backend,
                                             merge=self.lora.merge)
                     + optimizer_problems(self.optim.name, self.optim.backend, self.logging.track_memory)
                     + eval_problems(self) + step_strategy_problems(self))
         if problems:
             raise ValueError(PROBLEMS_SEPARATOR.join(problems))
         return self
+
+    @property
+    def quant_backend(self) -> str:
+        """quant.backend as the run uses it: FSDP2 shards only torchao's NF4 tensor (bitsandbytes keeps its
+        block scales beside the weight, where FSDP2 cannot shard them), so `auto` means torchao there."""
+        fsdp2 = sharding_entry(self.distributed.sharding).fsdp2
+        sharded_auto = fsdp2 and self.quant.backend == "auto" and self.quant.scheme != "none"
+        return "torchao" if sharded_auto else self.quant.backend
 
     def get(self, path: str) -> Any:
         """The value at a dotted path, e.g. `cfg.get("optim.lr")`."""

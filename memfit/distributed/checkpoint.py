@@ -38,6 +38,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from memfit.checkpoint import CheckpointError, newest_intact, write_manifest
@@ -45,6 +46,7 @@ from memfit.distributed.launch import DistContext, gather_to_main
 from memfit.distributed.safe_load import dcp_load, dcp_metadata
 from memfit.errors import MemfitError
 from memfit.models.loading import drop_tied_copies
+from memfit.strategies.quantization import is_nf4
 
 log = logging.getLogger(__name__)
 PREFIX = "sharded-step-"
@@ -89,12 +91,19 @@ def _named_optimizer_state(model, optimizer) -> dict[str, torch.Tensor]:
             for key, value in state.get(param, {}).items()}
 
 
+# The frozen base of an adapter run is not saved: resuming reads it from where the run first did (its
+# checkpoint, or its name-seeded random init), which gives the same values, quantized or not.
+TRAINED_ONLY = StateDictOptions(ignore_frozen_params=True)
+LOAD_TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def _state(model, optimizer) -> dict:
     if hasattr(model, "stage_state_dict"):  # pipeline stage: its own part of the model
         return {"model": model.stage_state_dict(), "optim_by_name": _named_optimizer_state(model, optimizer)}
     if _is_zero1(optimizer):
-        return {"model": get_model_state_dict(model), "optim_by_name": _named_optimizer_state(model, optimizer)}
-    model_state, optim_state = get_state_dict(model, optimizer)
+        return {"model": get_model_state_dict(model, options=TRAINED_ONLY),
+                "optim_by_name": _named_optimizer_state(model, optimizer)}
+    model_state, optim_state = get_state_dict(model, optimizer, options=TRAINED_ONLY)
     return {"model": model_state, "optim": optim_state}
 
 
@@ -200,10 +209,11 @@ def load_sharded(path: Path, model, optimizer, ctx: DistContext) -> dict:
         if hasattr(model, "load_stage_state_dict"):
             model.load_stage_state_dict(state["model"])
         else:
-            set_model_state_dict(model, state["model"])
+            set_model_state_dict(model, state["model"], options=LOAD_TRAINED)
         _load_named_optimizer_state(path, model, optimizer)
     else:
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=LOAD_TRAINED)
     restore_rank_rng(path, ctx.rank)
     trainer = load_trainer(path)
     for group, saved in zip(optimizer.param_groups, trainer.pop("param_groups")):
@@ -226,8 +236,29 @@ def full_state_dict(model, ctx: DistContext) -> dict[str, torch.Tensor]:
     """Collective: the whole model's weights on rank 0's CPU, names as in the unwrapped model; {} elsewhere."""
     if hasattr(model, "full_state_dict"):  # pipeline: stages send their parts to rank 0
         return model.full_state_dict()
+    if any(isinstance(p, DTensor) and is_nf4(p._local_tensor) for p in model.parameters()):
+        return _unit_by_unit_state(model, ctx)
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     return state if ctx.is_main else {}
+
+
+def _unit_by_unit_state(model, ctx: DistContext) -> dict[str, torch.Tensor]:
+    """`full_state_dict` of an FSDP2 model with a torchao NF4 base (whose shards DTensor cannot gather):
+    each FSDP2 unit (the blocks, then the root) is all-gathered by FSDP2's own `unshard`, its parameters
+    copied to rank 0's CPU, NF4 ones dequantized (as a one-process run saves a quantized base), and
+    resharded before the next, so a rank holds one unit's whole weights at a time."""
+    units = [(name, module) for name, module in unwrap(model).named_modules() if isinstance(module, FSDPModule)]
+    state = {}
+    for unit_name, unit in units:
+        prefix = f"{unit_name}." if unit_name else ""
+        nested = [f"{name}." for name, _ in units if name.startswith(prefix) and name != unit_name]
+        unit.unshard()
+        for name, param in unit.named_parameters(remove_duplicate=False):
+            full = prefix + name
+            if ctx.is_main and not any(full.startswith(inner) for inner in nested):
+                state[full] = (param.get_original_weight() if is_nf4(param) else param).detach().cpu().clone()
+        unit.reshard()
+    return state
 
 
 def save_final(model, tokenizer, out: Path, ctx: DistContext) -> dict[str, torch.Tensor] | None:

@@ -31,6 +31,7 @@ from memfit.distributed.sharding import builds_on_meta, initial_device, shard
 from memfit.errors import MemfitError
 from memfit.models.loading import load_model_config
 from memfit.step import count_targets
+from memfit.strategies.engines import sharding_entry
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,11 @@ class Engine:
     def builds_on_meta(self) -> bool:
         """This rank receives its weights from rank 0, so it builds the model on `meta` (no bytes)."""
         return builds_on_meta(self.cfg, self.ctx)
+
+    @property
+    def quant_shards(self) -> int:
+        """How many row shards FSDP2 cuts each quantized base weight into (its data-parallel size)."""
+        return self.ctx.dp_size if self.ctx.enabled and sharding_entry(self.cfg.distributed.sharding).fsdp2 else 1
 
     @property
     def place_on(self) -> torch.device | None:

@@ -10,13 +10,11 @@ through the stages (all forwards, then all backwards).
 the schedule, which does the forward and the backward, and returns the loss (broadcast from
 the last stage) as a leaf tensor whose `.backward()` has nothing left to do.
 
-Loading: rank 0 builds or loads the whole model once; the others build it on `meta` and
-allocate only their own stage, which rank 0 sends them tensor by tensor (`dist.send`/`recv`),
-freeing each stage's blocks once sent (`load_stages_from_rank0`). Rotary tables (buffers that
-`state_dict` leaves out) are sent with the stage.
+Loading: every rank builds the model on `meta`, allocates its own stage only and reads that stage's
+tensors from the checkpoint (memfit/models/part_loading.py; rotary tables included).
 
 Tied embeddings (embed_tokens = lm_head, e.g. the tiny demo model): the first and last stage
-each hold a copy (the last stage receives rank 0's embedding weights), and after every
+each hold a copy (the last stage reads the embedding weights), and after every
 schedule step the two copies' new gradient contributions are all-reduced between those two
 ranks, so both take the same update and stay equal.
 
@@ -36,8 +34,8 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from transformers import AutoModelForCausalLM
 
 from memfit.distributed.launch import DistContext
-from memfit.distributed.modules import place
 from memfit.errors import MemfitError
+from memfit.models.part_loading import PartSource, fill_parts
 
 IGNORE_INDEX = -100
 
@@ -142,29 +140,21 @@ class PipelineModel(torch.nn.Module):
         return {k: v for part in parts for k, v in part.items()} if self.ctx.is_main else {}
 
 
-def build_pipeline(model: torch.nn.Module, cfg, ctx: DistContext, device: torch.device) -> PipelineModel:
-    """Keep this rank's stage of `model` (a Llama-family causal LM) and wrap it in a schedule.
-
-    Rank 0 holds the whole model (built or loaded once); the others hold it on `meta`
-    (`sharding.builds_on_meta`). Each rank allocates only its own stage, and rank 0 sends every
-    other stage its tensors (`load_stages_from_rank0`), dropping each stage's blocks once sent.
-    """
+def build_pipeline(model: torch.nn.Module, cfg, ctx: DistContext, device: torch.device,
+                   source: PartSource) -> PipelineModel:
+    """Keep this rank's stage of `model` (a Llama-family causal LM, built on `meta`), allocate it on `device`,
+    read its tensors from `source` and wrap it in a schedule."""
     part, names, tied = _stage_of(model, ctx.world_size, ctx.rank)
-    if ctx.rank == 0:
-        part = place(part, device)
-    else:  # uninitialised storage for this stage only; rank 0 fills it
-        part = part.to_empty(device=device)
-    load_stages_from_rank0(model, part, ctx, device)
+    part = part.to_empty(device=device)
+    fill_parts(part, source, names=names.__getitem__)
     wrapper = PipelineModel(part, names, cfg, ctx, device, tied)
     wrapper.__dict__["hf_config"] = model.config  # the rest of `model` is freed when the caller drops it
     return wrapper
 
 
-def _stage_of(model: torch.nn.Module, stages: int, stage: int,
-              own: bool = True) -> tuple[_Stage, dict[str, str], bool]:
-    """Stage `stage` of `model` (sharing its modules), its parameter names in the Hugging Face
-    model, and whether the embeddings are tied to lm_head. `own`: the stage this rank trains
-    (a tied lm_head gets its own copy); otherwise a view for rank 0 to send from (no copy)."""
+def _stage_of(model: torch.nn.Module, stages: int, stage: int) -> tuple[_Stage, dict[str, str], bool]:
+    """Stage `stage` of `model` (sharing its modules; a tied lm_head gets its own copy), the Hugging Face
+    model's name of each of its parameters and buffers, and whether the embeddings are tied to lm_head."""
     prefix = getattr(model, "base_model_prefix", "model")
     decoder = getattr(model, prefix)
     blocks = list(decoder.layers)
@@ -172,12 +162,13 @@ def _stage_of(model: torch.nn.Module, stages: int, stage: int,
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     keep = stage_blocks(len(blocks), stages, stage)
     head = model.lm_head
-    if tied and last and not first and own:
+    if tied and last and not first:
         head = copy.deepcopy(model.lm_head)  # its own copy; the gradients are summed with stage 0's
     part = _Stage(decoder.embed_tokens if first else None, [blocks[i] for i in keep], decoder.rotary_emb,
                   decoder.norm if last else None, head if last else None)
     names = {}
-    for name in part.state_dict():
+    tensors = [n for n, _ in part.named_parameters(remove_duplicate=False)]
+    for name in tensors + [n for n, _ in part.named_buffers(remove_duplicate=False)]:
         kind, _, rest = name.partition(".")
         if kind == "layers":
             index, _, tail = rest.partition(".")
@@ -187,31 +178,3 @@ def _stage_of(model: torch.nn.Module, stages: int, stage: int,
         else:
             names[name] = name  # lm_head.*
     return part, names, tied
-
-
-def _stage_tensors(part: torch.nn.Module) -> list[torch.Tensor]:
-    """A stage's parameters and buffers (rotary tables included) in an order every rank agrees on."""
-    return [t for _, t in part.named_parameters()] + [t for _, t in part.named_buffers()]
-
-
-def load_stages_from_rank0(model: torch.nn.Module, part: _Stage, ctx: DistContext, device: torch.device) -> None:
-    """Rank 0 sends each other stage its tensors (point to point); rank s receives into `part`.
-
-    Stages are sent in rank order; after stage s is sent, rank 0 moves the modules only that
-    stage uses (its blocks, and the final norm and lm_head for the last) to `meta`, which frees
-    them, so rank 0's peak stays at about the one full copy it built or loaded. The last stage's
-    tied lm_head receives rank 0's embedding weights (the same values a single process ties).
-    """
-    if ctx.rank != 0:
-        with torch.no_grad():
-            for tensor in _stage_tensors(part):
-                dist.recv(tensor, src=0)
-        return
-    mine = {id(t) for t in _stage_tensors(part)}
-    for stage in range(1, ctx.world_size):
-        other, _, _ = _stage_of(model, ctx.world_size, stage, own=False)
-        for tensor in _stage_tensors(other):
-            dist.send(tensor.detach().to(device).contiguous(), dst=stage)
-        for module in other.children():  # free what only that stage uses (never rank 0's own tensors)
-            if not any(id(t) in mine for t in _stage_tensors(module)):
-                module.to("meta")

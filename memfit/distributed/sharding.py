@@ -19,10 +19,9 @@ one block (two with prefetch) is unsharded at a time.
 ("dp", "tp"))`; tensor parallel splits each block over "tp" (memfit/distributed/tensor_parallel.py),
 then FSDP2 shards those DTensors over "dp" as above. Each group of K ranks trains on one data slice.
 
-Loading (zero2/zero3): ranks other than 0 build the model on `meta` (no bytes); rank 0 builds
-or loads it once, and `set_model_state_dict(..., broadcast_from_rank0=True)` sends each rank
-its shards (on a 2-D mesh: its part of each tensor-parallel shard). So only rank 0 ever holds a
-full copy, and only while loading.
+Loading (zero2/zero3, tensor and pipeline parallel): every rank builds the model on `meta`, places
+its own part and reads it from the checkpoint (memfit/models/part_loading.py), so no rank ever holds
+a full copy. DeepSpeed ZeRO-3 converts rank 0's model (memfit/distributed/deepspeed_engine.py).
 """
 
 from __future__ import annotations
@@ -31,8 +30,6 @@ import inspect
 from typing import Callable
 
 import torch
-import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.distributed.fsdp._fully_shard import _fsdp_param, _fsdp_param_group
@@ -46,18 +43,20 @@ from memfit.distributed.modules import decoder_blocks, place
 from memfit.distributed.pipeline import build_pipeline
 from memfit.distributed.tensor_parallel import apply_tensor_parallel, parallelize
 from memfit.models.load_plan import hands_out_parts
+from memfit.models.part_loading import PartSource, fill_parts, part_source
 from memfit.strategies.engines import offload_entry, sharding_entry
+from memfit.strategies.precision import precision_entry
 
 
-def shards_from_rank0(cfg, ctx: DistContext) -> bool:
-    """Whether the engine hands each rank its part of rank 0's model (FSDP2 broadcast, tensor-parallel
-    scatter, pipeline stage sends, DeepSpeed ZeRO-3's conversion) rather than a full replica."""
-    return ctx.enabled and (hands_out_parts(cfg) or loads_from_rank0(cfg, ctx))
+def loads_parts(cfg, ctx: DistContext) -> bool:
+    """Every rank builds the model on `meta` and reads only the part it keeps (FSDP2, tensor and pipeline
+    parallel: memfit/models/load_plan.py)."""
+    return ctx.enabled and hands_out_parts(cfg)
 
 
 def builds_on_meta(cfg, ctx: DistContext) -> bool:
-    """Ranks that receive their weights from rank 0 build the model on `meta` (no bytes)."""
-    return ctx.rank != 0 and shards_from_rank0(cfg, ctx)
+    """Ranks that read their part, and those DeepSpeed ZeRO-3 gives rank 0's partitions, build on `meta`."""
+    return loads_parts(cfg, ctx) or (ctx.enabled and ctx.rank != 0 and loads_from_rank0(cfg, ctx))
 
 
 def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.optim.Optimizer], cfg,
@@ -67,14 +66,16 @@ def shard(model: torch.nn.Module, optimizer_factory: Callable[[list], torch.opti
         model = place(model, device)
         return model, optimizer_factory(trainable(model))
     engine = sharding_entry(cfg.distributed.sharding)
+    weight_dtype = precision_entry(cfg.precision).weight_dtype
+    source = part_source(cfg.model, cfg.seed, weight_dtype) if loads_parts(cfg, ctx) else None
     if cfg.distributed.tensor_parallel > 1 and not engine.fsdp2:
-        model = apply_tensor_parallel(model, cfg.distributed.tensor_parallel, device)
+        model = apply_tensor_parallel(model, cfg.distributed.tensor_parallel, device, source)
         return model, optimizer_factory(trainable(model))
     if cfg.distributed.pipeline_parallel > 1:
-        model = build_pipeline(model, cfg, ctx, device)
+        model = build_pipeline(model, cfg, ctx, device, source)
         return model, optimizer_factory(trainable(model))
     if engine.fsdp2:  # with tensor_parallel > 1: a 2-D mesh
-        model = _fully_shard(model, cfg, ctx, device)
+        model = _fully_shard(model, cfg, ctx, device, source)
         return model, optimizer_factory(trainable(model))
     return _ddp(model, optimizer_factory, engine, device)
 
@@ -107,16 +108,9 @@ def _zero_redundancy(template: torch.optim.Optimizer, params: list) -> torch.opt
     return optimizer
 
 
-def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
+def _fully_shard(model, cfg, ctx: DistContext, device: torch.device, source: PartSource):
+    """Shard the (meta) model's blocks, then its root, and fill this rank's shards from `source`."""
     follow_fsdp_storage()
-
-    # Rank 0 keeps references to its full weights (and every buffer, rotary tables included,
-    # which state_dict leaves out) while the module itself becomes shapes only, like the others.
-    full_state = model.state_dict() if ctx.rank == 0 else {}
-    full_buffers = dict(model.named_buffers()) if ctx.rank == 0 else {}
-    model = model.to("meta")
-    if hasattr(model, "tie_weights"):  # moving to meta unties shared weights (embeddings/lm_head): tie again
-        model.tie_weights()
     mesh = _data_parallel_mesh(model, cfg, ctx, device)
     offload = offload_entry(cfg.distributed.offload).host_states
     # pin_memory needs an accelerator; on a CPU-only machine the offload target is where the shards already are.
@@ -131,13 +125,7 @@ def _fully_shard(model, cfg, ctx: DistContext, device: torch.device):
             for key, buffer in module._buffers.items():
                 if buffer is not None:
                     module._buffers[key] = buffer.to(device)
-    set_model_state_dict(model, full_state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    with torch.no_grad():
-        for name, buffer in model.named_buffers():
-            if ctx.rank == 0:
-                buffer.copy_(full_buffers[name])
-            dist.broadcast(buffer, src=0)
-    del full_state, full_buffers
+    fill_parts(model, source)
     return model
 
 
@@ -154,10 +142,10 @@ def _data_parallel_mesh(model, cfg, ctx: DistContext, device: torch.device):
 
 
 def initial_device(cfg, ctx: DistContext, device: torch.device) -> torch.device | None:
-    """Where the built model goes before sharding: FSDP2 and pipeline ranks keep it where it was
-    built (CPU or meta) and place only their shards (DeepSpeed ZeRO-3 too: its partitions are moved
-    one module at a time); everything else moves to the device now."""
-    return None if shards_from_rank0(cfg, ctx) else device
+    """Where the built model goes before sharding: ranks that read their part keep it on `meta` and place
+    only that part (DeepSpeed ZeRO-3 moves rank 0's partitions one module at a time); everything else
+    moves to the device now."""
+    return None if loads_parts(cfg, ctx) or (ctx.enabled and loads_from_rank0(cfg, ctx)) else device
 
 
 def follow_fsdp_storage() -> None:

@@ -15,8 +15,9 @@ from memfit.config import RunConfig
 from memfit.memory.families import family_of, gated_dense
 from memfit.memory.model_shape import (ATTENTION_INPUT, ATTENTION_OUTPUT, MLP_INPUT, MLP_OUTPUT, ModelShape,
                                        block_linears)
-from memfit.memory.model_states import compute_size, fp32_compute, half_weights, quantized, weight_size
+from memfit.memory.model_states import compute_size, fp32_compute, half_weights, quant_backend, quantized, weight_size
 from memfit.strategies.loss import auto_chunk_tokens
+from memfit.strategies.quantization import compute_dtype, dequantize_peak_per_value
 
 
 def tokens_of(cfg: RunConfig) -> int:
@@ -123,9 +124,9 @@ def mlp_activation_size(cfg: RunConfig) -> int:
     """Bytes per element of the MLP's intermediates: the matmuls' 16-bit outputs under autocast, except
     that bitsandbytes' quantized matmuls return their input's dtype (fp32 in a mixed-precision run):
     its 4-bit op everywhere, its 8-bit op on CUDA (on CPU the 8-bit training path is a plain F.linear,
-    which autocast reaches)."""
+    which autocast reaches, as it reaches torchao's NF4 matmul)."""
     quant = cfg.quant.scheme
-    if quant == "none" or (quant == "int8" and cfg.device == "cpu"):
+    if quant == "none" or (quant == "int8" and cfg.device == "cpu") or quant_backend(cfg) == "torchao":
         return compute_size(cfg)
     return weight_size(cfg)
 
@@ -253,5 +254,9 @@ def layer_gradient_buffers(shape: ModelShape, cfg: RunConfig) -> int:
 
 
 def dequant_bytes(shape: ModelShape, cfg: RunConfig) -> int:
-    """QLoRA: one base linear dequantized to the compute dtype at a time (forward and backward)."""
-    return shape.largest_linear_params * 2 if quantized(cfg) else 0
+    """QLoRA: one base linear dequantized to the compute dtype at a time (forward and backward), with what the
+    backend allocates while it does (`dequantize_peak_per_value`)."""
+    if not quantized(cfg):
+        return 0
+    size = compute_dtype(cfg.quant.compute_dtype, cfg.precision).itemsize
+    return int(shape.largest_linear_params * dequantize_peak_per_value(cfg.quant.scheme, quant_backend(cfg), size))

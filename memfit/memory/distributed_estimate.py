@@ -39,8 +39,9 @@ import dataclasses
 from memfit.distributed.pipeline import stage_blocks
 from memfit.memory.activations import activation_bytes, tokens_of, weight_copies_bytes
 from memfit.memory.model_shape import ATTENTION_OUTPUT, MLP_OUTPUT, ModelShape
-from memfit.memory.model_states import (ModelStates, compute_size, gradient_bytes, largest_param_bytes, model_states,
-                                        optimizer_scratch, optimizer_state_bytes, weight_size, weights_bytes)
+from memfit.memory.model_states import (ModelStates, block_and_root_weight_bytes, compute_size, gradient_bytes,
+                                        largest_param_bytes, model_states, optimizer_scratch, optimizer_state_bytes,
+                                        weight_size, weights_bytes)
 from memfit.memory.single_device import beyond_basics_terms, load_bytes, peak_candidates
 from memfit.strategies.step_strategy import WAITING
 from memfit.strategies.engines import offload_entry, sharding_entry
@@ -103,7 +104,7 @@ def rank_model_states(shape: ModelShape, cfg, gpus: int, device: str = "cuda") -
     # FSDP2 shards every state at rest (zero2 as well); the stages differ in what stays gathered
     w, g, o = engine.split(weights, grads, states, n, at_rest=True)
     out = ModelStates(w, g, o, optimizer_scratch(cfg, device, g, _share(largest, n)))
-    out.beside = fsdp2_gathered(shape, weights, grads, engine.reshard_after_forward, cfg.method == "full", n)
+    out.beside = fsdp2_gathered(shape, cfg, grads, engine.reshard_after_forward, n)
     if offload_entry(cfg.distributed.offload).host_states and device == "cuda":
         # the optimizer steps on the host, one tensor at a time: its scratch is host RAM too
         host_scratch = optimizer_scratch(cfg, "cpu", g, _share(largest, n))
@@ -113,7 +114,7 @@ def rank_model_states(shape: ModelShape, cfg, gpus: int, device: str = "cuda") -
     return out
 
 
-def fsdp2_gathered(shape: ModelShape, weights: int, grads: int, reshard: bool, full: bool, ranks: int) -> dict:
+def fsdp2_gathered(shape: ModelShape, cfg, grads: int, reshard: bool, ranks: int) -> dict:
     """What FSDP2 holds beside the shards at each moment, by the tracker's category: weights gathered in the
     forward that outlive it are activations, those gathered again for the backward (and one block's flat
     all-gather output) temporaries, a block's unsharded gradients (until reduce-scattered) gradients.
@@ -122,10 +123,11 @@ def fsdp2_gathered(shape: ModelShape, weights: int, grads: int, reshard: bool, f
     one prefetched); zero2: every weight from the forward until each block's backward has used it.
     Full fine-tuning: the root's gradients stay unsharded until the backward's end (the lm_head's from the
     loss on), when the root is reduce-scattered: its unsharded gradients, their flat copy and this rank's
-    share of the result (`backward_end`)."""
-    block, root = _counts(shape)
-    size = weights / max(shape.total_params, 1)
-    block_weights, root_weights = int(block * size), int(root * size)
+    share of the result (`backward_end`). A quantized base is gathered as it is stored (NF4 blocks)."""
+    full = cfg.method == "full"
+    _, root = _counts(shape)
+    block_weights, root_weights = block_and_root_weight_bytes(shape, cfg)
+    weights = shape.layers * block_weights + root_weights
     block_grads = grads // max(shape.layers, 1)
     grad_size = grads / max(shape.total_params, 1) if full else 0
     head_grads = int(shape.head_params * grad_size)

@@ -10,7 +10,7 @@ from memfit.config import RunConfig
 from memfit.memory.model_shape import ModelShape, adapted_linears, lora_params, trainable_params, trainable_value_bytes
 from memfit.strategies.optimizers import TrainedParams, optimizer_entry
 from memfit.strategies.precision import precision_entry
-from memfit.strategies.quantization import quant_entry
+from memfit.strategies.quantization import QuantizationError, choose_backend, quant_entry
 
 
 def weight_size(cfg: RunConfig) -> int:
@@ -38,6 +38,17 @@ def quantized(cfg: RunConfig) -> bool:
     return cfg.quant.scheme != "none"
 
 
+def quant_backend(cfg: RunConfig) -> str | None:
+    """The backend that stores the quantized base here (None when nothing is quantized; bitsandbytes' terms
+    when no backend here can: the trainer refuses such a run before it loads)."""
+    if not quantized(cfg):
+        return None
+    try:
+        return choose_backend(cfg.quant.scheme, cfg.quant_backend)
+    except QuantizationError:
+        return "bitsandbytes"
+
+
 def weights_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     """Base weights (quantized block linears under QLoRA/int8) + LoRA adapters (fp32: peft upcasts)."""
     size = weight_size(cfg)
@@ -49,6 +60,19 @@ def weights_bytes(shape: ModelShape, cfg: RunConfig) -> int:
     else:
         base = shape.total_params * size
     return base + lora_params(shape, cfg) * 4
+
+
+def block_and_root_weight_bytes(shape: ModelShape, cfg: RunConfig) -> tuple[int, int]:
+    """`weights_bytes` of one block (its linears quantized under QLoRA/int8, its adapters) and of everything
+    outside the blocks (embeddings, final norm, lm_head): what FSDP2 gathers for one block or for the root."""
+    layers = max(shape.layers, 1)
+    size = weight_size(cfg)
+    root = shape.embedding_params + shape.lm_head_params + shape.hidden  # + final norm
+    linears = shape.block_linear_params // layers
+    others = (shape.total_params - root) // layers - linears  # the block's norms
+    linear_size = quant_entry(cfg.quant.scheme).bytes_per_param if quantized(cfg) else size
+    block = math.ceil(linears * linear_size) + others * size + lora_params(shape, cfg) * 4 // layers
+    return block, root * size
 
 
 def gradient_bytes(shape: ModelShape, cfg: RunConfig) -> int:

@@ -13,11 +13,11 @@ import itertools
 from memfit.config import ConfigError, RunConfig
 from memfit.config.distributed import launch_problems
 from memfit.memory.model_shape import ModelShape, adapted_linears, linear_leaf_names, model_shape
-from memfit.strategies.engines import MODEL_PARALLEL_ENTRIES, SHARDING_ENTRIES
+from memfit.strategies.engines import MODEL_PARALLEL_ENTRIES, SHARDING_ENTRIES, sharding_entry
 from memfit.strategies.methods import method_entry
 from memfit.strategies.optimizers import OPTIMIZER_ENTRIES
 from memfit.strategies.precision import PRECISION_ENTRIES
-from memfit.strategies.quantization import quantized_base_shape_problem
+from memfit.strategies.quantization import quantized_base_shape_problem, sharded_quantization_problems
 from memfit.strategies.table import STEP_STRATEGIES
 
 CHECKPOINTING = ("none", "every-4", "every-2", "full")
@@ -54,12 +54,16 @@ def families(cfg: RunConfig, gpus: int, device: str) -> list[tuple[str, dict]]:
                 out.append((name + " + CPU offload (FSDP2, one process)",
                             {**fields, sharding: "zero3", offload: "all"}))
             continue
-        # FSDP2 cannot shard quantized weights (the config's rule); ZeRO-1 saves adapters nothing worth its step
+        # FSDP2 shards a quantized base only as torchao's NF4 (the config's rule); ZeRO-1 saves adapters
+        # nothing worth its step
+        shardable = not sharded_quantization_problems(fields["quant.scheme"], cfg.quant.backend, "zero3") \
+            if fields["quant.scheme"] != "none" else True
         engines = [(engine.label, {sharding: engine.name}) for engine in SHARDING_ENTRIES
-                   if engine.ranks and not (engine.fsdp2 and fields["quant.scheme"] != "none")
+                   if engine.ranks and not (engine.fsdp2 and not shardable)
                    and not (engine.full_only and fields["method"] != "full")]
-        if fields["method"] == "full":
+        if shardable:
             engines.append(("ZeRO-3 + CPU offload", {sharding: "zero3", offload: "all"}))
+        if fields["method"] == "full":
             engines += [(f"{entry.label} {gpus}", {sharding: "none", f"distributed.{entry.name}": gpus,
                                                    **({"optim.max_grad_norm": None} if entry.clipping_problem else {})})
                         for entry in MODEL_PARALLEL_ENTRIES]
@@ -130,8 +134,9 @@ def member_config(base: RunConfig, update: dict, model_config, gpus: int) -> Run
     except ConfigError as exc:
         return exc.problems
     shape = model_shape(model_config)
-    problem = (quantized_base_shape_problem(method=cfg.method, scheme=cfg.quant.scheme, backend=cfg.quant.backend,
-                                            linears=shape.linear)
+    shards = gpus // cfg.distributed.tensor_parallel if sharding_entry(cfg.distributed.sharding).fsdp2 else 1
+    problem = (quantized_base_shape_problem(method=cfg.method, scheme=cfg.quant.scheme, backend=cfg.quant_backend,
+                                            linears=shape.linear, shards=shards)
                or _no_adapters(cfg, shape) or _strategy_problem(cfg, shape))
     if problem:
         return [problem]

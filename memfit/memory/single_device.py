@@ -24,7 +24,8 @@ from memfit.memory.model_states import (ModelStates, compute_size, gradient_byte
 from memfit.models.load_plan import node_load_bytes
 from memfit.strategies.engines import sharding_entry
 from memfit.strategies.loss import auto_chunk_tokens
-from memfit.strategies.quantization import QuantizationError, quantizes_after_loading, quantizes_while_loading
+from memfit.strategies.quantization import (QuantizationError, compute_dtype, quantizes_after_loading,
+                                           quantizes_while_loading, torchao_quantize_peak_per_value)
 from memfit.strategies.table import STEP_STRATEGIES
 
 MiB, GiB = 2**20, 2**30
@@ -72,7 +73,7 @@ def peak_candidates(shape: ModelShape, cfg: RunConfig, states: ModelStates) -> d
     base = dict(weights=states.weights, optimizer_states=states.optimizer_states)
     moments = {
         "backward_start": dict(base, gradients=accumulated, activations=acts,
-                               temporaries=2 * loss_bytes(shape, cfg) + dequant_bytes(shape, cfg)),
+                               temporaries=2 * loss_bytes(shape, cfg)),
         "backward_last": dict(base, gradients=max(accumulated, head_grads),
                               activations=acts - loss_bytes(shape, cfg) - head_bytes(shape, cfg),
                               temporaries=buffers + new_head + (recomputed - ckpt_input if last_ckpt else 0)),
@@ -124,13 +125,16 @@ def runtime_overheads(cfg: RunConfig, device: str, transient_bytes: int) -> dict
 
 def load_bytes(shape: ModelShape, cfg: RunConfig, device: str, ranks: int = 1) -> int:
     """Host RAM the loading processes of a node hold while they load (memfit/models/load_plan.py)."""
-    method = dict(method=cfg.method, scheme=cfg.quant.scheme, backend=cfg.quant.backend)
+    method = dict(method=cfg.method, scheme=cfg.quant.scheme, backend=cfg.quant_backend)
     try:
         after, during = quantizes_after_loading(**method), quantizes_while_loading(**method)
     except QuantizationError:  # nothing here can quantize it: the trainer refuses such a run before it loads
         after = during = False
+    compute = compute_dtype(cfg.quant.compute_dtype, cfg.precision).itemsize
+    quantizing = int(shape.largest_linear_params * (shape.checkpoint_bytes + torchao_quantize_peak_per_value(compute)))
     return node_load_bytes(cfg, device, ranks, shape.total_params, weight_size(cfg), shape.checkpoint_bytes,
-                           shape.largest_tensor_params, quantized_after_load=after, quantized_while_loading=during)
+                           shape.largest_tensor_params, quantized_after_load=after, quantized_while_loading=during,
+                           quantizing_bytes=quantizing if after else 0)
 
 
 def host_peak_bytes(ram: dict[str, int], load_beside_states: bool = False) -> int:

@@ -28,11 +28,12 @@ import os
 import pickle
 import socket
 import threading
+import zlib
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from huggingface_hub import constants as hf_constants
+from huggingface_hub import constants as hf_constants, snapshot_download
 from huggingface_hub.errors import StrictDataclassError
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
@@ -174,6 +175,18 @@ def _is_local(name: str) -> bool:
     return Path(name).expanduser().exists()
 
 
+def weights_folder(spec: ModelConfig) -> Path | None:
+    """The local folder holding the weights `spec` loads (None for random init): a local path as given, a hub
+    model's snapshot in the local cache (fetched first when the hub is reachable)."""
+    weights = _weights_id(spec)
+    if weights is None:
+        return None
+    if _is_local(weights):
+        return Path(weights).expanduser()
+    return Path(from_hub(snapshot_download, weights, "weights", revision=spec.revision,
+                         allow_patterns=["*.safetensors", "*.json"]))
+
+
 def build_model(spec: ModelConfig, attention: str = "sdpa", dtype: torch.dtype = torch.float32,
                 on_meta: bool = False, load_kwargs: dict | None = None) -> PreTrainedModel:
     """The model with its real weights (model.init=pretrained), random ones (model.init=random), or on
@@ -203,7 +216,7 @@ def build_model(spec: ModelConfig, attention: str = "sdpa", dtype: torch.dtype =
                             attn_implementation=config._attn_implementation, **kwargs, **(load_kwargs or {}))
         if _weights_id(spec.model_copy(update={"init": "pretrained"})) is not None:
             log.warning("model.init=random: '%s' trains from random weights, not its pretrained ones", spec.name)
-        return AutoModelForCausalLM.from_config(config, **kwargs)
+        return random_model(config, kwargs)
     except OSError as exc:
         raise ModelLoadError(f"model.name: the weights of '{weights}' could not be loaded: "
                              f"{str(exc).splitlines()[0]}") from None
@@ -213,6 +226,56 @@ def build_model(spec: ModelConfig, attention: str = "sdpa", dtype: torch.dtype =
     except pickle.UnpicklingError:  # transformers loads .bin files with torch.load(weights_only=True)
         raise ModelLoadError(f"model.name: the weights in '{spec.name}' hold pickled objects besides tensors; "
                              "memfit does not run pickled code: convert them to safetensors") from None
+
+
+def random_model(config: PretrainedConfig, kwargs: dict) -> PreTrainedModel:
+    """The model of `config` with random weights, each module's seeded by its name and the run's seed
+    (`torch.initial_seed()`, set from cfg.seed), so that a process that builds only a part of the model
+    (memfit/models/part_loading.py) makes the same values."""
+    with parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    seed = torch.initial_seed()
+    for name, module in model.named_modules():
+        if module._parameters:
+            initialise_module(model, name, seed)
+    model.tie_weights()
+    return model
+
+
+@contextlib.contextmanager
+def parameters_on_meta():
+    """Build modules whose parameters are on `meta` (no bytes) and whose buffers are real: rotary tables and
+    masks are small, computed at construction, and not always remade by a model's `_init_weights`."""
+    original = torch.nn.Module.register_parameter
+
+    def register(module, name, param):
+        if param is not None and not param.is_meta:
+            param = torch.nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    torch.nn.Module.register_parameter = register
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = original
+
+
+def name_seed(seed: int, name: str) -> int:
+    """A seed that depends only on the run's seed and `name` (never on a rank or the number of ranks)."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
+
+
+def initialise_module(model: PreTrainedModel, module_name: str, seed: int) -> None:
+    """Give the module `module_name` of `model` host parameters (its own, not its children's) and fill them
+    with the model's own init, seeded by the module's name."""
+    module = model.get_submodule(module_name)
+    for key, param in module._parameters.items():
+        if param is not None:
+            module._parameters[key] = torch.nn.Parameter(torch.empty_like(param, device="cpu"),
+                                                         requires_grad=param.requires_grad)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(name_seed(seed, module_name))
+        model._init_weights(module)
 
 
 def from_pretrained_checked(load, source, where: str, new_weights=(), dropped_weights=(), fix: str | None = None,

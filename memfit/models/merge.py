@@ -129,7 +129,7 @@ def load_base(run_dir: Path, cfg: RunConfig) -> nn.Module:
         return load_saved_model(run_dir / BASE_DIR, dtype)
     base = build_model(ModelConfig(**cfg.model.model_dump()), cfg.memory.attention, dtype=dtype)
     if cfg.quant.scheme != "none":
-        quantize_model(base, cfg.quant.scheme, cfg.quant.backend, compute_dtype(cfg.quant.compute_dtype, cfg.precision))
+        quantize_model(base, cfg.quant.scheme, cfg.quant_backend, compute_dtype(cfg.quant.compute_dtype, cfg.precision))
         dequantize_model(base, dtype)
     return base
 

@@ -28,11 +28,12 @@ class LoraTargetError(MemfitError):
 def apply_method(model: PreTrainedModel, *, method: str, targets: list[str] | str, rank: int, alpha: float,
                  dropout: float, use_dora: bool, use_rslora: bool, train_embeddings: bool, train_lm_head: bool,
                  quant_scheme: str, quant_backend: str, quant_dtype: torch.dtype, precision: str,
-                 device: torch.device | str | None = None) -> PreTrainedModel:
+                 device: torch.device | str | None = None, quant_shards: int = 1) -> PreTrainedModel:
     """Full fine-tuning leaves the model as is; LoRA/QLoRA freeze it and add trainable adapters.
 
     method: full, lora or qlora; targets ... train_lm_head: the lora settings; quant_scheme and
-    quant_backend: the base weights' quantization, computing in quant_dtype; precision: a precision
+    quant_backend: the base weights' quantization, computing in quant_dtype, cut into quant_shards FSDP2
+    row shards; precision: a precision
     entry's name (bf16-pure keeps the unquantized parameters in bf16). With `device`, the model moves
     there first, so that quantization happens on the device the model trains on (a model loaded
     already quantized stays where its loader put it).
@@ -44,7 +45,7 @@ def apply_method(model: PreTrainedModel, *, method: str, targets: list[str] | st
     check_lora_targets(model, targets)
     peft = require("peft", f"method: {method}")
     if quant_scheme != "none":
-        quantize_model(model, quant_scheme, quant_backend, quant_dtype)
+        quantize_model(model, quant_scheme, quant_backend, quant_dtype, quant_shards)
         prepare_quantized_for_training(model, upcast=precision_entry(precision).weight_dtype == torch.float32)
     saved = modules_to_save(model, train_embeddings=train_embeddings, train_lm_head=train_lm_head)
     # Tied input/output embeddings stay tied when one of them is trained in full.

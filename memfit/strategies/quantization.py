@@ -110,6 +110,22 @@ def quantization_problems(*, method: str, scheme: str, backend: str, merge: bool
     return problems
 
 
+def sharded_quantization_problems(scheme: str, backend: str, sharding: str) -> list[str]:
+    """Why FSDP2 (`sharding`: zero2/zero3) cannot shard a base quantized to `scheme` with `backend`. FSDP2
+    shards torchao's NF4 tensor, which carries its block scales inside and splits by rows; bitsandbytes
+    keeps its scales in a quant_state beside the weight, where FSDP2 cannot shard them."""
+    if scheme not in _SUPPORTED["torchao"]:
+        return [f"quant: {scheme} with distributed.sharding: {sharding} (FSDP2) is not supported: FSDP2 shards "
+                f"torchao's NF4 base only ({', '.join(_SUPPORTED['torchao'])}), and bitsandbytes' {scheme} layers keep "
+                "their scales outside the weight, where FSDP2 cannot shard them; use quant: nf4-dq (method: qlora), "
+                "or distributed.sharding: ddp / zero1"]
+    if backend == "bitsandbytes":
+        return [f"quant.backend: bitsandbytes with distributed.sharding: {sharding} (FSDP2) is not supported: its "
+                "4-bit layers keep their scales outside the weight, where FSDP2 cannot shard them; use "
+                "quant.backend: torchao (or auto, which picks it under FSDP2), or distributed.sharding: ddp / zero1"]
+    return []
+
+
 def compute_dtype(setting: str, precision: str) -> torch.dtype:
     """dtype the dequantized weights are multiplied in: `setting` (quant.compute_dtype) unless it is auto,
     which follows `precision` (a precision entry's name)."""
@@ -153,6 +169,28 @@ def bitsandbytes_config(scheme: str, dtype: torch.dtype):
                               bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=["lm_head"])
 
 
+# The peak while one weight of N values is dequantized for its matmul, per value, by backend (measured with
+# memfit's tracker on the CPU, torchao 0.18 / bitsandbytes 0.50.2, 4096 x 1024 and 4096 x 4096 weights):
+#   bitsandbytes 4-bit  the dequantized copy (+ 1/16 B while double quantization's absmax is restored)
+#   torchao NF4         8 + 3 x the compute dtype's bytes: 20 B in fp32, 14 B in bf16 (get_original_weight
+#                       unpacks the codes, looks them up in the NF4 table and scales them, all whole-tensor)
+#   int8                2 B (bitsandbytes' 8-bit matmul)
+def dequantize_peak_per_value(scheme: str, backend: str, compute_bytes: int) -> float:
+    """Bytes per value alive while one base weight quantized to `scheme` by `backend` is dequantized."""
+    if scheme == "int8":
+        return 2
+    if backend == "torchao":
+        return 8 + 3 * compute_bytes
+    return compute_bytes + (1 / 16 if scheme == "nf4-dq" else 0)
+
+
+def torchao_quantize_peak_per_value(compute_bytes: int) -> float:
+    """Bytes per value alive while torchao's `to_nf4` quantizes one weight held in a dtype of `compute_bytes`
+    (its block absmax, normalised copies and code search, whole-tensor): measured with memfit's tracker on
+    a 3840 x 1408 weight, 17.5 B in bf16, 33.9 B in fp32."""
+    return 1 + 8.2 * compute_bytes
+
+
 def quantizes_while_loading(*, method: str, scheme: str, backend: str) -> bool:
     """A quantized base that bitsandbytes quantizes tensor by tensor as the weights load."""
     return method != "full" and scheme != "none" and choose_backend(scheme, backend) == "bitsandbytes"
@@ -178,11 +216,12 @@ def is_quantized_linear(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     if weight is None or not isinstance(module, nn.Linear):
         return False
-    return (type(weight).__name__ in ("Params4bit", "Int8Params") or _is_nf4(weight)
+    return (type(weight).__name__ in ("Params4bit", "Int8Params") or is_nf4(weight)
             or getattr(weight, "quant_state", None) is not None or weight.dtype == torch.int8)
 
 
-def _is_nf4(tensor) -> bool:
+def is_nf4(tensor) -> bool:
+    """A torchao NF4 tensor (by name: torchao is imported only where it quantizes)."""
     return type(tensor).__name__ == "NF4Tensor"
 
 
@@ -208,28 +247,33 @@ def _linears_to_quantize(model: nn.Module) -> list[tuple[nn.Module, str, nn.Line
 
 # --- shapes a backend cannot quantize ----------------------------------------------------------
 
-def torchao_shape_problem(quant: str, linears) -> str | None:
+def torchao_shape_problem(quant: str, linears, shards: int = 1) -> str | None:
     """Why torchao cannot quantize these (name, in_features, out_features) layers, or None: its NF4
-    splits each weight into blocks of TORCHAO_BLOCK values and has no partial block."""
+    splits each weight into blocks of TORCHAO_BLOCK values and has no partial block, and FSDP2 cuts an
+    NF4 weight into `shards` equal row shards of whole blocks (no padding)."""
     for name, in_f, out_f in linears:
         if (in_f * out_f) % TORCHAO_BLOCK:
             return (f"quant: {quant} with torchao needs every quantized weight to hold a multiple of {TORCHAO_BLOCK} "
                     f"values; {name} is {out_f} x {in_f} ({in_f * out_f:,} values). Use quant.backend: bitsandbytes "
                     "(it quantizes any shape), or method: lora without quant")
+        if shards > 1 and (out_f % shards or (in_f * out_f) % (TORCHAO_BLOCK * shards)):
+            return (f"quant: {quant} sharded by FSDP2 over {shards} ranks needs every quantized weight's rows to split "
+                    f"into {shards} equal shards of whole {TORCHAO_BLOCK}-value blocks; {name} is {out_f} x {in_f}. "
+                    f"Use a data-parallel size that divides {out_f}, or distributed.sharding: ddp")
     return None
 
 
-def quantized_base_shape_problem(*, method: str, scheme: str, backend: str, linears) -> str | None:
+def quantized_base_shape_problem(*, method: str, scheme: str, backend: str, linears, shards: int = 1) -> str | None:
     """Why a base quantized to `scheme` cannot be built for these (name, in_features, out_features) block
-    layers with the backend `backend` (quant.backend) gives here, or None (the planner's search skips
-    such plans)."""
+    layers with the backend `backend` (quant.backend) gives here, cut into `shards` FSDP2 row shards, or
+    None (the planner's search skips such plans)."""
     if method == "full" or scheme == "none":
         return None
     try:
         chosen = choose_backend(scheme, backend)
     except QuantizationError:
         return None  # no backend at all: the build says so, naming what to install
-    return torchao_shape_problem(scheme, linears) if chosen == "torchao" else None
+    return torchao_shape_problem(scheme, linears, shards) if chosen == "torchao" else None
 
 
 def keep_training_kernels(model: nn.Module) -> None:
@@ -244,9 +288,10 @@ def keep_training_kernels(model: nn.Module) -> None:
 # --- quantize --------------------------------------------------------------------------------------
 
 def quantize_model(model: nn.Module, quant: str, backend: str = "auto",
-                   dtype: torch.dtype = torch.float32) -> nn.Module:
+                   dtype: torch.dtype = torch.float32, shards: int = 1) -> nn.Module:
     """Replace the base Linear layers by quantized ones, in place. No-op for quant none or a model
-    already quantized (e.g. loaded with a BitsAndBytesConfig). `dtype` is the compute dtype."""
+    already quantized (e.g. loaded with a BitsAndBytesConfig). `dtype` is the compute dtype; `shards`:
+    how many row shards FSDP2 cuts each weight into (torchao only)."""
     if quant == "none":
         return model
     if not is_quantized(model):
@@ -256,11 +301,12 @@ def quantize_model(model: nn.Module, quant: str, backend: str = "auto",
             make = {"bitsandbytes": _bnb_meta_linear, "torchao": _torchao_meta_linear}[chosen]
         layers = _linears_to_quantize(model)
         shapes = [(full, linear.in_features, linear.out_features) for _, _, linear, full in layers]
-        problem = torchao_shape_problem(quant, shapes) if chosen == "torchao" else None
+        problem = torchao_shape_problem(quant, shapes, shards) if chosen == "torchao" else None
         if problem:  # before any layer changes
             raise QuantizationError(problem)
+        extra = {"shards": shards} if chosen == "torchao" else {}
         for parent, name, linear, _ in layers:
-            setattr(parent, name, make(linear, quant, dtype))
+            setattr(parent, name, make(linear, quant, dtype, **extra))
         log.info("quantized the base Linear layers to %s with %s", quant, chosen)
     keep_training_kernels(model)  # also for a model loaded already quantized
     if quant == "int8":
@@ -316,18 +362,24 @@ def _bnb_fake_weight(new: nn.Module, weight: torch.Tensor, quant: str) -> None:
     new.weight.bnb_quantized, new.weight.blocksize = True, BNB_BLOCK
 
 
-def _torchao_linear(linear: nn.Linear, quant: str, dtype: torch.dtype) -> nn.Linear:
+def torchao_scaler_block(values: int, shards: int = 1) -> int:
+    """Scalers per fp32 quantization factor for a weight of `values` values split into `shards` row shards.
+    torchao groups scalers in blocks of 256 and needs the block count to divide evenly, and FSDP2's split
+    of an NF4 weight needs every shard to hold whole blocks: small layers (tests) use the largest power of
+    two that does, which changes only the tiny fp32 part."""
+    blocks = values // TORCHAO_BLOCK
+    scaler_block = TORCHAO_SCALER_BLOCK
+    while scaler_block > 1 and blocks % (scaler_block * shards):
+        scaler_block //= 2
+    return scaler_block
+
+
+def _torchao_linear(linear: nn.Linear, quant: str, dtype: torch.dtype, shards: int = 1) -> nn.Linear:
     from torchao.quantization import to_nf4
 
     weight = linear.weight.detach()
-    # torchao groups scalers in blocks of 256 and needs the block count to divide evenly: small
-    # layers (tests) use the largest power of two that does, which changes only the tiny fp32 part.
-    blocks = weight.numel() // TORCHAO_BLOCK  # a whole number: quantize_model checked the shapes
-    scaler_block = TORCHAO_SCALER_BLOCK
-    while blocks % scaler_block:
-        scaler_block //= 2
     # torchao dequantizes to the weight's dtype; keep the weight in the compute dtype.
-    nf4 = to_nf4(weight.to(dtype), TORCHAO_BLOCK, scaler_block)
+    nf4 = to_nf4(weight.to(dtype), TORCHAO_BLOCK, torchao_scaler_block(weight.numel(), shards))
     for name in nf4.__tensor_flatten__()[0]:
         inner = getattr(nf4, name)
         if inner.device.type != "meta" and inner.untyped_storage().nbytes() > inner.numel() * inner.element_size():
@@ -398,10 +450,10 @@ def _relink_int8_state(module: nn.Module, args) -> None:
     module.weight.has_fp16_weights = False
 
 
-def _torchao_meta_linear(linear: nn.Linear, quant: str, dtype: torch.dtype) -> nn.Linear:
+def _torchao_meta_linear(linear: nn.Linear, quant: str, dtype: torch.dtype, shards: int = 1) -> nn.Linear:
     """torchao quantizes meta tensors fine, but its `empty_like` (used by `to_empty`) leaves two
     small inner tensors (the 16-value table and the scaler mean) on meta; a pre-hook moves them."""
-    linear = _torchao_linear(linear, quant, dtype)
+    linear = _torchao_linear(linear, quant, dtype, shards)
     linear.register_forward_pre_hook(_nf4_off_meta)
     return linear
 
@@ -413,6 +465,21 @@ def _nf4_off_meta(module: nn.Module, args) -> None:
         inner = getattr(weight, name)
         if inner.device != device:
             setattr(weight, name, torch.empty_like(inner, device=device))
+
+
+def quantize_nf4_rows(local, whole: torch.Tensor, rows: slice) -> None:
+    """Fill the NF4 tensor `local` (one FSDP2 row shard of a weight) with rows `rows` of `whole` quantized
+    as a whole: the second-level scale is the mean over the whole weight, which every shard must share
+    (torchao's FSDP2 all-gather keeps the local shard's)."""
+    from torchao.quantization import to_nf4
+
+    device = local.quantized_data.device
+    quantized = to_nf4(whole.to(device=device, dtype=local.dtype), local.block_size, local.scaler_block_size)
+    size = rows.stop - rows.start
+    part = torch.chunk(quantized, whole.shape[0] // size)[rows.start // size]
+    local.nf4, local.scaler_mean = quantized.nf4, quantized.scaler_mean
+    for name in ("quantized_scalers", "quantization_factor", "quantized_data"):
+        getattr(local, name).copy_(getattr(part, name))
 
 
 def track_quant_state(model: nn.Module) -> None:
@@ -439,7 +506,7 @@ def track_quant_state(model: nn.Module) -> None:
 def dequantized_weight(module: nn.Module) -> torch.Tensor:
     """The weight a quantized Linear computes with, as a plain tensor (fp32)."""
     weight = module.weight
-    if _is_nf4(weight):
+    if is_nf4(weight):
         return weight.get_original_weight().float()
     if getattr(weight, "quant_state", None) is not None:
         bnb = require("bitsandbytes", "dequantizing 4-bit weights")
@@ -485,7 +552,7 @@ def quantized_bytes(model: nn.Module) -> dict[str, int]:
         if not is_quantized_linear(module):
             continue
         weight = module.weight
-        if _is_nf4(weight):
+        if is_nf4(weight):
             for name in weight.__tensor_flatten__()[0]:
                 part = getattr(weight, name)
                 totals["codes" if name == "quantized_data" else "scales"] += part.numel() * part.element_size()

@@ -100,7 +100,8 @@ def _train(resolved: ResolvedRun, progress: bool) -> RunResult:
     torch.manual_seed(cfg.seed)
     tokenizer = load_tokenizer(cfg.model)
     stream = build_batch_stream(cfg, tokenizer, device, engine.ctx.dp_rank, engine.ctx.dp_size)  # this rank's slice
-    run = build_run(cfg, device, on_meta=engine.builds_on_meta, place_on=engine.place_on, wrap=engine.wrap)
+    run = build_run(cfg, device, on_meta=engine.builds_on_meta, place_on=engine.place_on, wrap=engine.wrap,
+                    quant_shards=engine.quant_shards)
     run.precision = engine.precision(run.model, run.precision)  # DeepSpeed's engine runs backward and step
     model, optimizer, precision = run.model, run.optimizer, run.precision
     scheduler = make_scheduler(engine.torch_optimizer(optimizer), cfg.optim, cfg.max_steps)

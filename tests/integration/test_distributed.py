@@ -117,8 +117,9 @@ def test_losses_match_single_process(runs, name):
 @pytest.mark.parametrize("name", list(ENGINES))
 def test_final_weights_match_single_process(runs, name):
     root, *_ = runs
-    # Adam divides by sqrt(v): last-bit gradient differences move weights by ~lr * 1e-2 at most
-    assert_same_weights(root / name / "model.safetensors", root / "single" / "model.safetensors", 1e-4, name)
+    # Adam divides by sqrt(v): for a weight whose gradient is near zero, last-bit gradient differences change
+    # the step's sign, up to lr (1e-3) per step; measured at most 1.2e-4 after 3 steps (tp2).
+    assert_same_weights(root / name / "model.safetensors", root / "single" / "model.safetensors", 3e-4, name)
 
 
 def test_memory_falls_as_the_zero_stage_rises(runs):
@@ -146,6 +147,9 @@ def _expected_parameter_bytes(config: Path, name: str, rank: int) -> int:
     model = build_model(load_config(config).model, on_meta=True)
     named = dict(model.named_parameters(remove_duplicate=False))  # a tied lm_head under its own name too
     size = {key: p.numel() * p.element_size() for key, p in named.items()}
+    if name == "zero3":  # every parameter (tied once) cut into 2 row chunks, as torch.chunk cuts them
+        return sum(len(torch.arange(p.shape[0]).chunk(2)[rank]) * p[0].numel() * p.element_size()
+                   for p in model.parameters())
     if name == "tp2":  # split linears: half each; the rest (tied once) replicated
         return sum(b // 2 if sharded_fraction(key) else b for key, b in size.items()
                    if key != "lm_head.weight" or not model.config.tie_word_embeddings)
@@ -155,12 +159,13 @@ def _expected_parameter_bytes(config: Path, name: str, rank: int) -> int:
     return sum(b for key, b in size.items() if any(key.startswith(k) for k in keep))
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
-def test_ranks_but_0_never_build_the_full_model(runs, name):
-    """A tensor/pipeline rank other than 0 builds on meta and ends with only its shard or stage."""
+@pytest.mark.parametrize("name", ["tp2", "pp2", "zero3"])
+def test_no_rank_builds_the_full_model(runs, name):
+    """Every tensor-parallel, pipeline and FSDP2 rank builds on meta and ends with only its slice, stage or
+    shard, read from the model's source (memfit/models/part_loading.py)."""
     root, config, *_ = runs
     loads = [json.loads((root / name / f"load-rank{rank}.json").read_text()) for rank in (0, 1)]
-    assert [load["built_on_meta"] for load in loads] == [False, True], loads
+    assert [load["built_on_meta"] for load in loads] == [True, True], loads
     from memfit.models.loading import build_model
 
     full = sum(p.numel() * p.element_size() for p in build_model(load_config(config).model, on_meta=True).parameters())
@@ -291,3 +296,53 @@ def test_lora_on_fsdp2_ranks_saves_the_gathered_frozen_base(runs, tmp_path):
         assert torch.equal(base[name], tensor), name
     assert json.loads((out / "adapter_config.json").read_text())["base_model_name_or_path"] == str((out / "base_model").resolve())
     assert metrics(out, "loss") == pytest.approx(single.losses, rel=LOSS_TOLERANCE)
+
+
+# The first loss of QLoRA over FSDP2 against one process with the same (torchao NF4) base. The two bases
+# differ only where the tiny model's layers are too small for 256 scales per fp32 factor: each rank's rows
+# must hold whole factor groups, so 2 ranks group 32 scales where 1 process groups 64 (real models: 256 in
+# both). Measured: 5.545016 (2 ranks) vs 5.545427 (1 process), 7.4e-5 apart.
+QLORA_FIRST_LOSS_TOLERANCE = 1e-3
+
+
+def test_qlora_over_fsdp2_trains_resumes_and_loads_with_peft(runs, tmp_path):
+    """torchrun -m memfit train ... method=qlora distributed.sharding=zero3: torchao's NF4 base sharded by
+    FSDP2, each rank quantizing its own rows; checkpoints hold the adapters and their optimizer states (not
+    the frozen base, which resuming reads again); the adapter loads with peft on the saved base."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from memfit.train.loop import train
+    from memfit.train.resolve import resolve_run
+
+    _, config, _, _ = runs
+    out = tmp_path / "fsdp_qlora"
+    common = [str(config), f"output_dir={out}", "distributed.sharding=zero3", "method=qlora", "batch.micro_batch=1",
+              "checkpoints.every=1", "--no-progress"]
+    first = torchrun("-m", "memfit", "train", *common, "max_steps=2", timeout=TIMEOUT_S)
+    assert first.returncode == 0, first.stderr[-4000:]
+    state = sorted((out / "checkpoints").glob("sharded-step-*"))[-1] / "state"
+    import torch.distributed.checkpoint as dcp
+
+    saved = dcp.FileSystemReader(str(state)).read_metadata().state_dict_metadata
+    model_keys = [key for key in saved if key.startswith("model.")]
+    frozen_blocks = [key for key in model_keys if ".layers." in key and "lora_" not in key]
+    assert any("lora_" in key for key in model_keys) and not frozen_blocks, frozen_blocks[:5]
+
+    resumed = torchrun("-m", "memfit", "train", *common, f"max_steps={STEPS + 1}", "resume=true", "overwrite=false",
+                       timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    losses = metrics(out, "loss")
+    assert len(losses) == STEPS + 1 and losses[-1] < losses[0]
+    assert set(_saved_optimizer_steps(out).values()) == {STEPS + 1}
+
+    single = train(resolve_run(load_config(config, [f"output_dir={tmp_path / 'single_qlora'}", "method=qlora",
+                                                    "quant.backend=torchao", "max_steps=1"])), progress=False)
+    assert losses[0] == pytest.approx(single.losses[0], rel=QLORA_FIRST_LOSS_TOLERANCE)
+
+    base = AutoModelForCausalLM.from_pretrained(out / "base_model")
+    adapted = PeftModel.from_pretrained(base, out)
+    trained = [p for name, p in adapted.named_parameters() if "lora_B" in name]
+    assert trained and all(p.abs().max() > 0 for p in trained)  # B starts at zero: these were trained
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25, 29]])
+    assert torch.isfinite(adapted(input_ids=ids).logits).all()

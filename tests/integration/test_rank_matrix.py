@@ -53,8 +53,8 @@ def rows(tmp_path_factory) -> dict[str, list[dict]]:
 
 
 def test_the_matrix_covers_what_the_plan_must_get_right():
-    """At least 16 mixes over every engine, both methods, three precisions, the four step strategies and
-    micro-batches up to 16."""
+    """At least 16 mixes over every engine, the three methods (QLoRA: torchao's NF4 base sharded by FSDP2),
+    three precisions, the four step strategies and micro-batches up to 16."""
     assert len(EVERY_MIX) >= 16
     settings = [dict(o.split("=", 1) for o in overrides) for overrides in EVERY_MIX.values()]
     engines = {s.get("distributed.sharding", "none") for s in settings}
@@ -63,7 +63,7 @@ def test_the_matrix_covers_what_the_plan_must_get_right():
     assert any("distributed.pipeline_parallel" in s for s in settings)
     assert any("distributed.offload" in s for s in settings)
     assert any("distributed.tensor_parallel" in s and "distributed.sharding" in s for s in settings)  # 2-D
-    assert {s.get("method", "full") for s in settings} == {"full", "lora"}
+    assert {s.get("method", "full") for s in settings} == {"full", "lora", "qlora"}
     assert {s.get("precision", "fp32") for s in settings} >= {"fp32", "bf16-mixed", "bf16-pure"}
     for strategy in ("chunked_loss", "tiled_mlp", "activation_offload", "optimizer_in_backward"):
         assert any(s.get(f"memory.{strategy}") == "true" for s in settings), strategy

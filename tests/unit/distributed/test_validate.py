@@ -38,12 +38,21 @@ def test_optimizer_only_offload_is_not_a_choice():
     (["distributed.tensor_parallel=2", "method=lora"], "method: lora"),
     (["distributed.pipeline_parallel=2"], "optim.max_grad_norm: null"),
     (["distributed.offload=all"], "needs distributed.sharding: zero2 or zero3"),
-    (["distributed.sharding=zero2", "method=lora", "quant=int8"], "quant: int8 with FSDP2"),
-    (["distributed.sharding=zero3", "method=qlora"], "quant: nf4-dq with FSDP2"),
+    (["distributed.sharding=zero2", "method=lora", "quant=int8"],
+     r"quant: int8 with distributed.sharding: zero2 \(FSDP2\) is not supported: FSDP2 shards torchao's NF4 base only"),
+    (["distributed.sharding=zero3", "method=qlora", "quant.backend=bitsandbytes"],
+     r"quant.backend: bitsandbytes with distributed.sharding: zero3 \(FSDP2\) is not supported.*quant.backend: torchao"),
 ])
 def test_each_refused_combination_names_its_fields(overrides, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config(None, overrides)
+
+
+def test_qlora_under_fsdp2_takes_torchao_nf4():
+    """`auto` picks the one backend FSDP2 can shard; without FSDP2 it keeps its usual first choice."""
+    assert load_config(None, ["distributed.sharding=zero3", "method=qlora"]).quant_backend == "torchao"
+    assert load_config(None, ["distributed.sharding=ddp", "method=qlora"]).quant_backend == "auto"
+    assert load_config(None, ["distributed.sharding=zero3"]).quant_backend == "auto"  # nothing quantized
 
 
 def test_launch_checks_world_size_and_model_shape():

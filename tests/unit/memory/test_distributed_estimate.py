@@ -10,7 +10,7 @@ from memfit.memory.distributed_estimate import (rank_model_states, rank_shape, s
                                                zero_model_states_like_deepspeed)
 from memfit.memory.model_shape import model_shape
 from memfit.memory.model_states import CPU_OPTIMIZER_SCRATCH_TENSORS, largest_param_bytes
-from memfit.memory.single_device import cpu_ram_bytes
+from memfit.memory.single_device import cpu_ram_bytes, load_bytes
 from memfit.models.loading import load_model_config
 
 
@@ -52,10 +52,12 @@ def test_offloaded_host_ram_is_each_ranks_shard_of_every_state(shape, sharding):
     rank = _states(shape, f"distributed.sharding={sharding}", "distributed.offload=params")
     assert rank.host_bytes == shard and rank.optimizer_scratch == 0  # nothing of the step on the GPU
     estimate = analytic_estimate(cfg, load_model_config(cfg.model)[0], device="cuda", gpus=4)
-    base = cpu_ram_bytes(shape, cfg, "cuda")  # one process: runtime, the loading copy, data
-    # per node: every rank's runtime, data and offloaded shard, and rank 0's copy while it loads: FSDP2 places
-    # the host shards before that copy is broadcast and dropped (load_plan.load_beside_host_states)
-    assert estimate.cpu_ram_bytes == 4 * (base["runtime"] + base["data"]) + base["model_load"] + 4 * shard
+    base = cpu_ram_bytes(shape, cfg, "cuda")  # one process: runtime, data
+    # per node: every rank's runtime, data and offloaded shard, and each rank's tensor in flight while it reads
+    # its part into those host shards (load_plan.load_beside_host_states)
+    in_flight = 4 * shape.largest_tensor_params * 4  # random init: each rank makes one whole fp32 tensor at a time
+    assert load_bytes(shape, cfg, "cuda", ranks=4) == in_flight
+    assert estimate.cpu_ram_bytes == 4 * (base["runtime"] + base["data"]) + in_flight + 4 * shard
 
 
 @pytest.mark.parametrize("gpus", [2, 4])

@@ -12,6 +12,7 @@ from memfit.memory.analytic import analytic_estimate
 from memfit.memory.model_shape import model_shape
 from memfit.memory.single_device import load_bytes
 from memfit.models.load_plan import hands_out_parts, node_load_bytes, streams_to_device
+from memfit.strategies.quantization import torchao_quantize_peak_per_value
 from memfit.models.presets import load_preset_config
 
 GiB = 2**30
@@ -24,7 +25,7 @@ LLAMA8 = "meta-llama/Llama-3.1-8B"
                                            (["distributed.sharding=zero3"], True),
                                            (["distributed.tensor_parallel=2"], True),
                                            (["distributed.pipeline_parallel=2", "optim.max_grad_norm=null"], True)])
-def test_only_engines_that_hand_out_parts_build_the_model_on_rank_0(engine, parts):
+def test_only_engines_that_hand_out_parts_read_a_part_per_rank(engine, parts):
     cfg = load_config(None, engine)
     assert hands_out_parts(cfg) is parts
     assert streams_to_device(cfg, "cuda", quantized_after_load=False) is (not parts)
@@ -54,14 +55,16 @@ def test_a_load_that_keeps_the_checkpoints_dtype_copies_nothing_to_the_host():
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
 def test_each_quantization_backend_loads_as_the_trainer_does(device):
     """bitsandbytes quantizes tensor by tensor while loading (on any device): one tensor in flight; torchao
-    quantizes the loaded base, built whole on the host first; a full fp32 run on a GPU streams."""
+    quantizes the loaded base, built whole on the host first, one layer at a time; a full fp32 run on a GPU
+    streams."""
     shape = model_shape(load_preset_config(LLAMA8))
     fp32 = 4
     bnb = load_config(None, [f"model={LLAMA8}", "method=qlora", "quant.backend=bitsandbytes", "precision=bf16-mixed"])
     torchao = bnb.updated({"quant.backend": "torchao"})
     full = load_config(None, [f"model={LLAMA8}", "precision=bf16-mixed"])
     assert load_bytes(shape, bnb, device) == shape.largest_tensor_params * fp32
-    assert load_bytes(shape, torchao, device) == shape.total_params * fp32
+    quantizing = int(shape.largest_linear_params * (2 + torchao_quantize_peak_per_value(2)))  # one bf16 layer
+    assert load_bytes(shape, torchao, device) == shape.total_params * fp32 + quantizing
     expected = shape.largest_tensor_params if device == "cuda" else shape.total_params
     assert load_bytes(shape, full, device) == expected * fp32
     # and the trainer asks transformers for the same: a device map only where the load streams
@@ -70,18 +73,20 @@ def test_each_quantization_backend_loads_as_the_trainer_does(device):
     assert "device_map" not in loading_kwargs(torchao, torch.device("cpu"), place_on=None)
 
 
-def test_tensor_and_pipeline_parallel_build_one_host_copy_per_node_on_rank_0():
-    """The node's load term: one converted copy on rank 0 where the engine hands out parts; one tensor in
-    flight per rank where every rank streams its whole model to its GPU."""
+def test_no_rank_of_an_engine_that_hands_out_parts_holds_a_model_copy():
+    """The node's load term where every rank reads its own part: one tensor in flight per rank, read in the
+    checkpoint's dtype (the largest, whole) or one base linear being quantized; never a copy of the model."""
     shape = model_shape(load_preset_config(LLAMA70))
+    bf16, fp32 = 2, 4
     for engine in (["distributed.tensor_parallel=8"], ["distributed.pipeline_parallel=8", "optim.max_grad_norm=null"],
-                   ["distributed.sharding=zero3"]):
+                   ["distributed.sharding=zero3"], ["distributed.sharding=zero3", "method=qlora"]):
         cfg = load_config(None, [f"model={LLAMA70}", "precision=bf16-mixed", *engine])
-        assert load_bytes(shape, cfg, "cuda", 8) == shape.total_params * 4, engine
+        quantizing = shape.largest_linear_params * (bf16 + torchao_quantize_peak_per_value(bf16))
+        in_flight = max(shape.largest_tensor_params * bf16, int(quantizing) if "method=qlora" in engine else 0)
+        assert load_bytes(shape, cfg, "cuda", 8) == 8 * in_flight, engine
+        assert load_bytes(shape, cfg, "cuda", 8) < shape.total_params  # far below one bf16 copy
     ddp = load_config(None, [f"model={LLAMA70}", "precision=bf16-mixed", "method=lora", "distributed.sharding=ddp"])
-    assert load_bytes(shape, ddp, "cuda", 8) == 8 * shape.largest_tensor_params * 4
-    pure = load_config(None, [f"model={LLAMA70}", "precision=bf16-pure", "distributed.tensor_parallel=8"])
-    assert load_bytes(shape, pure, "cuda", 8) == 0  # bf16 weights from a bf16 checkpoint: views of its pages
+    assert load_bytes(shape, ddp, "cuda", 8) == 8 * shape.largest_tensor_params * fp32
 
 
 def test_70b_qlora_on_one_48gib_gpu_needs_no_host_copy_of_the_model():
