@@ -1,11 +1,11 @@
 """Host RAM while loading a model on 2 ranks: DDP (every rank builds the model) vs zero3, tensor
-parallel 2, pipeline parallel 2 and DeepSpeed ZeRO-3 (rank 0 builds it, the others build on `meta`
-and receive their shards or their stage from rank 0: broadcast, scatter, point-to-point sends,
-DeepSpeed's own ZeRO conversion). `ds_zero3_full` is DeepSpeed ZeRO-3 with every rank loading the full model
-(every rank builds the full model, deepspeed.initialize partitions it), for the side-by-side ratio.
-For both DeepSpeed rows each rank also records its peak RSS on entering `deepspeed.initialize`:
-the model built (and, ds_zero3, already partitioned) but none of DeepSpeed's optimizer partitions,
-which it allocates eagerly there (fp32 master copy, gradient partition, Adam states).
+parallel 2 and pipeline parallel 2 (every rank builds on `meta` and makes or reads only its part:
+memfit/models/part_loading.py) and DeepSpeed ZeRO-3 (rank 0 builds the model, the others build on `meta`
+and DeepSpeed's own ZeRO conversion partitions it). `ds_zero3_full` is DeepSpeed ZeRO-3 with every rank
+loading the full model (every rank builds the full model, deepspeed.initialize partitions it), for the
+side-by-side ratio. For both DeepSpeed rows each rank also records its peak RSS on entering
+`deepspeed.initialize`: the model built (and, ds_zero3, already partitioned) but none of DeepSpeed's
+optimizer partitions, which it allocates eagerly there (fp32 master copy, gradient partition, Adam states).
 
     .venv/bin/python bench/distributed_load_ram.py [--layers 8 --hidden 1024]
     .venv/bin/python bench/distributed_load_ram.py --layers 3 --hidden 64 --engines ddp   # smallest run
@@ -72,6 +72,9 @@ def run(model_dir: Path, out: Path, engine: str) -> list[dict]:
         port = s.getsockname()[1]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["DS_ACCELERATOR"] = "cpu"  # DeepSpeed on the CPU even where a GPU exists
+    # glibc hands a freed block of 1 MiB or more back to the kernel at once (mmap), so the peak RSS follows the
+    # live tensors instead of how fragmented the heap became while tensors were made and freed one by one
+    env["MALLOC_MMAP_THRESHOLD_"] = str(2**20)
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))  # for the script
     ds_json, script = out.parent / "ds_zero3.json", out.parent / f"{out.name}.py"
     ds_json.write_text(json.dumps(DS_ZERO3))

@@ -9,7 +9,7 @@ The model (random weights, bf16, `save_pretrained(max_shard_size=...)`) is writt
 folder. Each case is a fresh child process on the CPU (under torchrun for --ranks 2) that imports memfit,
 then builds the run exactly as the trainer does (`memfit.build.build_run`, the weights loaded from that
 folder; with 2 ranks through the trainer's engine, which shards the model and fills each rank's part)
-while a thread reads /proc/self/status every 5 ms. Measured: the peak of anonymous RSS (RssAnon: memory
+while a thread reads /proc/self/status every millisecond. Measured: the peak of anonymous RSS (RssAnon: memory
 the kernel cannot reclaim) above its value before loading, and beside it the peak growth of file-backed
 RSS (RssFile: the checkpoint's mapped pages, page cache the kernel can reclaim). Planned, one process: the
 load term `memfit.memory.single_device.load_bytes` (the copy a dtype-converting load makes on the host;
@@ -71,7 +71,7 @@ def watch():
     while not done.is_set():
         for key, value in status().items():
             peak[key] = max(peak[key], value)
-        time.sleep(0.005)
+        time.sleep(0.001)
 
 
 engine = make_engine(cfg, torch.device("cpu")) if "RANK" in os.environ else None

@@ -123,8 +123,10 @@ def _conflicting_fields(cfg) -> list[str]:
                         "engine; give micro_batch as a number and leave budget / memory_budget null")
     if cfg.method == "qlora" or cfg.quant.scheme != "none":
         problems.append(f"method: {cfg.method} with quant: {cfg.quant.scheme} and deepspeed is not supported: "
-                        "quantized "
-                        "base weights cannot be flattened into ZeRO partitions; use method: lora or full")
+                        "DeepSpeed flattens the weights into ZeRO partitions, which a 4/8-bit base (bitsandbytes' "
+                        "or torchao's) cannot be; for QLoRA across GPUs drop distributed.deepspeed and use "
+                        "distributed.sharding: zero3 (FSDP2 shards torchao's NF4 base), or method: lora / full "
+                        "with DeepSpeed")
     if cfg.precision == "bf16-pure":
         problems.append("precision: bf16-pure with deepspeed: DeepSpeed's bf16 mode keeps fp32 master weights; "
                         "use precision: bf16-mixed (bf16 weights, fp32 optimizer copy)")

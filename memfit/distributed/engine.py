@@ -69,7 +69,7 @@ class Engine:
 
     @property
     def builds_on_meta(self) -> bool:
-        """This rank receives its weights from rank 0, so it builds the model on `meta` (no bytes)."""
+        """This rank builds the model on `meta` (no bytes): it reads only its part, or receives it (DeepSpeed)."""
         return builds_on_meta(self.cfg, self.ctx)
 
     @property

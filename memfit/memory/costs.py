@@ -17,6 +17,7 @@ from memfit.memory.distributed_estimate import data_parallel_ranks
 from memfit.memory.families import family_of
 from memfit.memory.gpus import GPU
 from memfit.memory.model_shape import trainable_params, trainable_value_bytes
+from memfit.memory.model_states import weights_bytes
 from memfit.strategies.engines import model_parallel_in_use, offload_entry, sharding_entry
 from memfit.strategies.optimizers import optimizer_entry
 from memfit.strategies.precision import precision_entry
@@ -185,8 +186,11 @@ def collectives_seconds(step: _Step) -> float:
         # counted at the compute dtype's size
         grad_bytes = trainable_params(shape, cfg) * precision_entry(cfg.precision).compute_bytes / step.model_parallel
         comm += ring * grad_bytes * engine.gradient_traffic()
-        # all-gather the parameters (16 bits, each rank's tensor-parallel part) for the forward and the backward
-        comm += engine.weight_gathers() * (dp - 1) / dp * step.active_params / step.model_parallel * 2 * micro_batches
+        # all-gather the weights as they are stored (FSDP2 here has no mixed-precision policy: fp32 weights under
+        # bf16-mixed, a quantized base's packed codes and scales), each rank's tensor-parallel part, for the
+        # forward and again for the backward
+        gathered = weights_bytes(shape, cfg) / step.model_parallel
+        comm += engine.weight_gathers() * (dp - 1) / dp * gathered * micro_batches
     for entry, degree in model_parallel_in_use(cfg.distributed.model_dump()):  # tensor parallel's activations
         comm += (entry.all_reduces_per_layer * shape.layers * 2 * (degree - 1) / degree * tokens_of(cfg) * shape.hidden
                  * 2 * micro_batches)

@@ -152,11 +152,14 @@ def stage_shape(shape: ModelShape, cfg, stage: int) -> ModelShape:
     s = cfg.distributed.pipeline_parallel
     first, last = stage == 0, stage == s - 1
     block, _ = _counts(shape)
-    layers = len(stage_blocks(shape.layers, s, stage))
+    blocks = stage_blocks(shape.layers, s, stage)
+    layers = len(blocks)
+    per_block = len(shape.linear) // max(shape.layers, 1)  # `linear` lists every block's linears, block by block
     embeddings = shape.embedding_params if first else 0
     head = shape.head_params if last else 0
     return dataclasses.replace(shape, layers=layers, embedding_params=embeddings, lm_head_params=head,
                                vocab=shape.vocab if last else 0, head=last,
+                               linear=shape.linear[blocks.start * per_block:blocks.stop * per_block],
                                total_params=layers * block + embeddings + (shape.hidden + head if last else 0))
 
 
@@ -226,8 +229,8 @@ def zero_model_states_like_deepspeed(total_params: int, largest_layer_params: in
 def node_cpu_ram(ram: dict[str, int], shape, cfg, gpus: int, device: str = "cuda") -> dict[str, int]:
     """Host RAM of one node running `gpus` ranks, from the single-process terms (`ram`): every rank has its
     own runtime, data pipeline, offloaded shards (and on a CPU device its training state); the load is the
-    node's by memfit/models/load_plan.py (rank 0 alone builds the model where the engine hands out parts,
-    each rank streams to its GPU or builds its own copy otherwise)."""
+    node's by memfit/models/load_plan.py (each rank reads its part where the engine hands out parts, streams
+    to its GPU or builds its own copy otherwise)."""
     if gpus <= 1:
         return ram
     out = {key: value * gpus for key, value in ram.items() if key != "model_load"}

@@ -49,9 +49,9 @@ def node_load_bytes(cfg, device_type: str, ranks: int, params: int, weight_bytes
                     quantizing_bytes: int = 0) -> int:
     """Host RAM the loading processes of one node hold at once beyond their runtimes, the page cache and
     the parts they keep (counted with the training states).
-    Parts: each rank holds one tensor in flight, read in the checkpoint's dtype (the largest, whole, as
-    replicated tensors are read) and converted into its part; or, for a base torchao quantizes, one whole
-    block linear being quantized (`quantizing_bytes`), whichever is more.
+    Parts: each rank holds one tensor in flight, read in the checkpoint's dtype and converted into its part
+    (the largest: its rows under FSDP2, whole where tensor or pipeline parallel read it whole); or, for a
+    base torchao quantizes, one whole block linear being quantized (`quantizing_bytes`), whichever is more.
     Random weights (`model.init: random`): each process that builds the whole model makes it on the host in
     the weights' dtype (`weight_bytes` per parameter).
     A checkpoint: where the load converts its dtype (`checkpoint_bytes` per parameter) to the weights', each
@@ -60,8 +60,12 @@ def node_load_bytes(cfg, device_type: str, ranks: int, params: int, weight_bytes
     (same-dtype weights are views of the mapped checkpoint). torchao quantizes a host-built model one layer
     at a time: + `quantizing_bytes`."""
     if hands_out_parts(cfg):
-        read = weight_bytes if cfg.model.init == "random" else checkpoint_bytes
-        return ranks * max(largest_tensor_params * read, quantizing_bytes)
+        random = cfg.model.init == "random"
+        # FSDP2 alone reads each rank's rows of every tensor; tensor parallel reads its replicated tensors
+        # (embeddings, lm_head) whole, a pipeline stage its tensors whole, random init makes each one whole
+        whole = random or bool(model_parallel_in_use(cfg.distributed.model_dump()))
+        tensor = largest_tensor_params if whole else -(-largest_tensor_params // ranks)
+        return ranks * max(tensor * (weight_bytes if random else checkpoint_bytes), quantizing_bytes)
     if cfg.model.init == "random":
         return ranks * params * weight_bytes
     if weight_bytes == checkpoint_bytes:

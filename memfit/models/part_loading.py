@@ -91,7 +91,7 @@ class Checkpoint:
 
     def read(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         part = self._handle(key).get_slice(key)
-        return part[region] if region else part[:]
+        return part[region] if region else part[()] if not part.get_shape() else part[:]
 
 
 class PartSource:

@@ -50,8 +50,11 @@ class ShardingEntry:
         return 0.5 if self.fsdp2 else 1.0
 
     def weight_gathers(self) -> int:
-        """All-gathers of the weights per micro-batch: the forward's and, when resharded, the backward's."""
-        return 2 if self.zero_stage >= 3 and self.reshard_after_forward else 0
+        """All-gathers of the weights per micro-batch under FSDP2 (weights sharded at rest, zero2 too): the
+        forward's and, when resharded after it, the backward's."""
+        if not self.fsdp2:
+            return 0
+        return 2 if self.reshard_after_forward else 1
 
 
 SHARDING_ENTRIES = (

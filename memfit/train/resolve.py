@@ -4,11 +4,12 @@ Each decision is made here, once, in this order:
 
   device             `device: auto` is CUDA when torch sees a GPU (the engine's own rule); this rank's GPU
                      under torchrun
-  host RAM           a CUDA run whose step strategies park more in host RAM than the machine has stops here
   budget:            `auto` (the device's free memory) or a size: the configured run when it fits, else
                      the planner's search's fastest plan that fits (memory/planner.py)
   micro_batch: auto  the largest micro-batch whose traced estimate (the trainer's own step on fake
                      tensors) fits memory.limit, or the device's free memory less the planner's margin
+  host RAM           a run that needs more host RAM than the machine has (the planner's host-RAM estimate
+                     for this node's processes) stops here, with the numbers
 
 Every "does it fit" is memory/fits.py's `FitRule`, the rule the planner's search applies. The caller
 passes the `ResolvedRun` to the loop (memfit/train/loop.py: train), which builds its engine from its
@@ -34,7 +35,6 @@ from memfit.memory.planner import plan, user_fixed_fields
 from memfit.memory.single_device import strategy_host_bytes
 from memfit.memory.trace import trace_estimate
 from memfit.models.loading import load_model_config
-from memfit.strategies.table import STEP_STRATEGIES
 from memfit.train.resolved_run import ResolvedRun
 from memfit.units import format_bytes, parse_bytes
 
@@ -50,7 +50,6 @@ def resolve_run(cfg: RunConfig) -> ResolvedRun:
     """Device, host RAM, `budget:` and `micro_batch: auto` of `cfg`, each decided once (module docstring)."""
     device = training_device(cfg)
     host_ram = machine_ram_bytes()
-    check_host_ram(cfg, device.type, host_ram)
     notes: list[str] = []
     budget_bytes = None
     if cfg.budget is not None:
@@ -58,6 +57,7 @@ def resolve_run(cfg: RunConfig) -> ResolvedRun:
         cfg = fit_budget(cfg, budget_bytes, device.type, host_ram, notes)
     if cfg.batch.micro_batch == "auto":
         cfg = fit_micro_batch(cfg, device, notes=notes)
+    check_host_ram(cfg, device.type, host_ram, ranks=int(os.environ.get("LOCAL_WORLD_SIZE", world_size_from_env())))
     return ResolvedRun(cfg, device, host_ram, budget_bytes, tuple(notes))
 
 
@@ -70,21 +70,29 @@ def training_device(cfg: RunConfig) -> torch.device:
     return device
 
 
-def check_host_ram(cfg: RunConfig, device: str, host_ram: int) -> None:
-    """Stop a CUDA run whose step strategies park more in host RAM (activation_offload's pinned saved
-    tensors) than the machine has, before any model or data is loaded; a no-op when none is on."""
-    if device != "cuda" or not any(s.host_bytes and getattr(cfg.memory, s.name) for s in STEP_STRATEGIES):
-        return
+def check_host_ram(cfg: RunConfig, device: str, host_ram: int, ranks: int = 1) -> None:
+    """Stop, before any model or data is loaded, a run whose host RAM (the planner's: the runtimes and data of
+    this node's `ranks` processes, the load, offloaded states, parked activations, a CPU run's training state)
+    is more than this machine has, with the numbers."""
     model_config = load_model_config(cfg.model)[0]
+    try:
+        needed = analytic_estimate(cfg, model_config, device=device, gpus=ranks).cpu_ram_bytes
+    except MemfitError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a model the estimate cannot read: the build names what is wrong
+        log.warning("host RAM not checked: the estimate could not read %s (%s)", cfg.model.name, exc)
+        return
+    if needed <= host_ram:
+        return
     parked = strategy_host_bytes(model_shape(model_config), cfg, device)
-    needed = analytic_estimate(cfg, model_config, device=device).cpu_ram_bytes
-    if needed > host_ram:
-        what = ", ".join(f"memory.{name} {format_bytes(value)}" for name, value in parked.items())
-        raise MemfitError(
-            f"host RAM: this run needs {format_bytes(needed)} of host RAM ({what} of it pinned, at data.seq_len "
-            f"{cfg.data.seq_len} x batch.micro_batch {cfg.batch.micro_batch}); this machine has "
-            f"{format_bytes(host_ram)}. Use a shorter data.seq_len, memory.checkpointing=full (only each "
-            "layer's input is kept), or `memfit plan ... --host-ram SIZE` for a plan that fits")
+    what = (f" ({', '.join(f'memory.{name} {format_bytes(value)}' for name, value in parked.items())} of it "
+            f"pinned, at data.seq_len {cfg.data.seq_len} x batch.micro_batch {cfg.batch.micro_batch})" if parked else "")
+    where = f" on the {device.upper()}" if device == "cpu" else ""
+    raise MemfitError(
+        f"host RAM: this run{where} needs {format_bytes(needed)} of host RAM for {ranks} process(es){what}; this "
+        f"machine has {format_bytes(host_ram)}. `memfit plan {cfg.model.name} --host-ram "
+        f"{format_bytes(host_ram).replace(' ', '')}` finds plans that fit it (a shorter data.seq_len, "
+        "memory.checkpointing=full, a quantized base...)")
 
 
 def fit_budget(cfg: RunConfig, budget_bytes: int, device: str, host_ram: int | None,

@@ -66,11 +66,11 @@ RUNS = {  # name -> (JSON, overrides, single-process reference)
     "zero2_accum": ("shipped", ["batch.grad_accum=2", "optim.warmup_steps=1", "optim.schedule=cosine"], "single_accum"),
     "zero3_offload": ("zero3_offload", [], "single"),
     "zero3_bf16": ("zero3", ["precision=bf16-mixed"], "single_bf16"),
-    "zero2_lora": ("shipped", ["method=lora"], "single_lora"),
+    "zero2_lora": ("shipped", ["method=lora", "optim.lr=0.01"], "single_lora"),  # adapters start at zero
     "zero3_saved": ("zero3", ["model={saved}"], "single_saved"),  # from_pretrained of a safetensors folder
 }
 SINGLE = {"single": [], "single_accum": ["batch.grad_accum=2", "optim.warmup_steps=1", "optim.schedule=cosine"],
-          "single_bf16": ["precision=bf16-mixed"], "single_lora": ["method=lora"], "single_saved": ["model={saved}"]}
+          "single_bf16": ["precision=bf16-mixed"], "single_lora": ["method=lora", "optim.lr=0.01"], "single_saved": ["model={saved}"]}
 
 WORKER = '''
 import json, os, sys

@@ -143,8 +143,8 @@ def test_sharded_checkpoint_holds_global_tensors(runs):
         assert torch.equal(saved[key], value), key
 
 
-def test_ranks_but_0_never_build_the_full_model(runs):
-    """Ranks 1-3 build on meta and end with their part only: the split linears (q/k/v/gate/up by rows,
+def test_no_rank_builds_the_full_model(runs):
+    """Every rank builds on meta and ends with its part only: the split linears (q/k/v/gate/up by rows,
     o/down by columns over "tp") are held once across the 4 ranks, every other tensor (replicated over
     "tp") once per tensor-parallel rank, FSDP2 sharding both by rows over "dp"."""
     from memfit.distributed.tensor_parallel import sharded_fraction
@@ -154,7 +154,7 @@ def test_ranks_but_0_never_build_the_full_model(runs):
     full = {name: p.numel() for name, p in build_model(load_config(config).model, on_meta=True).named_parameters()}
     for name in ("zero2_tp2", "zero3_tp2_offload"):
         loads = [json.loads((root / name / f"load-rank{rank}.json").read_text()) for rank in range(RANKS)]
-        assert [load["built_on_meta"] for load in loads] == [False, True, True, True], name
+        assert all(load["built_on_meta"] for load in loads), name  # every rank reads only its part
         held = [{key: torch.Size(shape).numel() for key, shape in load["local_shapes"].items()} for load in loads]
         assert all(set(rank) == set(full) for rank in held), name
         for key, numel in full.items():

@@ -126,3 +126,17 @@ def test_the_chunked_loss_lowers_a_zero3_plan_by_at_least_the_logits_it_never_ma
                       for on in ("false", "true"))
     fp32_logits = 512 * 32 * config.vocab_size * 4
     assert plain.peak_allocated_bytes - chunked.peak_allocated_bytes >= fp32_logits
+
+
+def test_a_pipeline_stage_holds_the_factored_states_of_its_own_blocks_only():
+    """A stage's shape keeps only its blocks' linears: Adafactor's factored states per stage add up to the whole
+    model's (a stage once carried every block's linears and went negative on the rest)."""
+    cfg = load_config(None, ["model=meta-llama/Llama-3.1-70B", "distributed.pipeline_parallel=8",
+                             "optim.max_grad_norm=null", "optim.name=adafactor"])
+    shape = model_shape(load_model_config(cfg.model)[0])
+    stages = [stage_states(shape, cfg, stage, "cuda").optimizer_states for stage in range(8)]
+    one = load_config(None, ["model=meta-llama/Llama-3.1-70B", "optim.name=adafactor"])
+    whole = rank_model_states(shape, one, 1).optimizer_states
+    assert all(states > 0 for states in stages)
+    # the norms, embeddings and lm_head are unfactored in both: the stages' states add up to the whole's
+    assert sum(stages) == pytest.approx(whole, rel=1e-3)

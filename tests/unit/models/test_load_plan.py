@@ -75,14 +75,16 @@ def test_each_quantization_backend_loads_as_the_trainer_does(device):
 
 def test_no_rank_of_an_engine_that_hands_out_parts_holds_a_model_copy():
     """The node's load term where every rank reads its own part: one tensor in flight per rank, read in the
-    checkpoint's dtype (the largest, whole) or one base linear being quantized; never a copy of the model."""
+    checkpoint's dtype (the largest: its rows under FSDP2, whole under tensor and pipeline parallel) or one
+    base linear being quantized; never a copy of the model."""
     shape = model_shape(load_preset_config(LLAMA70))
     bf16, fp32 = 2, 4
     for engine in (["distributed.tensor_parallel=8"], ["distributed.pipeline_parallel=8", "optim.max_grad_norm=null"],
                    ["distributed.sharding=zero3"], ["distributed.sharding=zero3", "method=qlora"]):
         cfg = load_config(None, [f"model={LLAMA70}", "precision=bf16-mixed", *engine])
         quantizing = shape.largest_linear_params * (bf16 + torchao_quantize_peak_per_value(bf16))
-        in_flight = max(shape.largest_tensor_params * bf16, int(quantizing) if "method=qlora" in engine else 0)
+        read = shape.largest_tensor_params // (8 if "distributed.sharding=zero3" in engine else 1)  # FSDP2: rows
+        in_flight = max(read * bf16, int(quantizing) if "method=qlora" in engine else 0)
         assert load_bytes(shape, cfg, "cuda", 8) == 8 * in_flight, engine
         assert load_bytes(shape, cfg, "cuda", 8) < shape.total_params  # far below one bf16 copy
     ddp = load_config(None, [f"model={LLAMA70}", "precision=bf16-mixed", "method=lora", "distributed.sharding=ddp"])

@@ -141,8 +141,21 @@ def test_a_run_whose_offloaded_activations_exceed_host_ram_is_refused_with_the_n
     message = str(caught.value)
     assert "memory.activation_offload" in message and "16.00 GiB" in message and "131072" in message
     check_host_ram(long, "cuda", host_ram=128 * GiB)  # room enough
-    check_host_ram(long, "cpu", host_ram=16 * GiB)  # a CPU run offloads nothing
     check_host_ram(long.updated({"memory.activation_offload": False}), "cuda", host_ram=16 * GiB)
+
+
+def test_any_run_that_needs_more_host_ram_than_the_machine_has_is_refused():
+    """Not only parked activations: a CPU run's training state, every rank's runtime and load on the node."""
+    cfg = load_config(None, ["model=meta-llama/Llama-3.1-8B", "method=qlora", "data.seq_len=4096",
+                             "batch.micro_batch=1", "memory.checkpointing=full"])
+    full = cfg.updated({"method": "full", "quant.scheme": "none"})  # ~124 GiB of fp32 training state
+    with pytest.raises(MemfitError, match=r"this run on the CPU needs [\d.]+ GiB of host RAM for 1 process\(es\); "
+                                          r"this machine has 16.00 GiB. `memfit plan meta-llama/Llama-3.1-8B "
+                                          r"--host-ram 16.00GiB`"):
+        check_host_ram(full, "cpu", host_ram=16 * GiB)
+    check_host_ram(full, "cuda", host_ram=16 * GiB)  # streamed to the GPU: a tensor in flight on the host
+    with pytest.raises(MemfitError, match="for 8 process"):
+        check_host_ram(cfg.updated({"distributed.sharding": "ddp"}), "cuda", host_ram=4 * GiB, ranks=8)
 
 
 def test_train_stops_before_loading_anything_when_host_ram_cannot_hold_the_offload(tmp_path, monkeypatch):
