@@ -91,7 +91,9 @@ class Checkpoint:
 
     def read(self, key: str, region: tuple[slice, ...] | None = None) -> torch.Tensor:
         part = self._handle(key).get_slice(key)
-        return part[region] if region else part[()] if not part.get_shape() else part[:]
+        if region is not None:
+            return part[region]
+        return part[:] if part.get_shape() else part[()]
 
 
 class PartSource:
@@ -137,17 +139,16 @@ class PartSource:
 
     def full(self, name: str) -> torch.Tensor:
         """The whole tensor `name` (a Hugging Face name): the checkpoint's, or initialised."""
-        key = self._key(name) if self.checkpoint is not None else None
-        if key is not None and self.checkpoint.shape(key) == tuple(self._template_tensor(name).shape):
-            return self.checkpoint.read(key)
-        return self._initialised(name)
+        return self.region(name, None)
 
-    def region(self, name: str, region: tuple[slice, ...]) -> torch.Tensor:
-        """The part `region` of the tensor `name`, reading only that part from the checkpoint."""
+    def region(self, name: str, region: tuple[slice, ...] | None) -> torch.Tensor:
+        """The part `region` (None: all) of the tensor `name`, reading only that part from the checkpoint; a
+        tensor the checkpoint lacks, or holds with another shape (`model.new_weights`), is initialised."""
         key = self._key(name) if self.checkpoint is not None else None
         if key is not None and self.checkpoint.shape(key) == tuple(self._template_tensor(name).shape):
             return self.checkpoint.read(key, region)
-        return self._initialised(name)[region]
+        whole = self._initialised(name)
+        return whole if region is None else whole[region]
 
     def _template_tensor(self, name: str) -> torch.Tensor:
         owner, _, leaf = name.rpartition(".")
@@ -205,8 +206,9 @@ def fill_parts(model: nn.Module, source: PartSource, names: Callable[[str], str]
             if _LORA.search(name):
                 whole = lora_init(name, tuple(tensor.shape), source.seed)
                 _copy(local, tensor, whole, region)
-            elif is_nf4(local):
-                _copy_nf4(local, tensor, source.full(names(name)))
+            elif is_nf4(local):  # FSDP2 shards dim 0: quantize the whole weight as one process does, keep the rows
+                rows = region[0] if region else slice(0, tensor.shape[0])
+                quantize_nf4_rows(local, source.full(names(name)), rows)
             elif region is None:
                 _copy(local, tensor, source.full(names(name)), None)
             else:
@@ -226,12 +228,6 @@ def _copy(local: torch.Tensor, tensor: torch.Tensor, whole: torch.Tensor, region
                                       src_data_rank=None)._local_tensor)
     else:
         local.copy_(whole)
-
-
-def _copy_nf4(local, tensor: torch.Tensor, whole: torch.Tensor) -> None:
-    """Quantize the whole weight as one process does, keep this rank's rows (FSDP2 shards dim 0)."""
-    _, region = local_region(tensor)
-    quantize_nf4_rows(local, whole, region[0] if region else slice(0, whole.shape[0]))
 
 
 def part_source(spec, seed: int, dtype: torch.dtype) -> PartSource:
